@@ -110,14 +110,20 @@ def test_torchtitan_compile_is_read_not_left_out(tmp_path, text, key):
 
 def test_torchtitan_compile_of_the_loss_alone_leaves_the_blocks_eager(tmp_path):
     """torchtitan's deepseek_v3_671b compiles its loss only (``components=["loss"]``): it was simulated with
-    every block compiled (and minutes of partitioning); ``components`` left out holds "model" (the default)."""
-    loss = read_config(TORCHTITAN, str(titan(tmp_path, '[compile]\nenable = true\ncomponents = ["loss"]\n'
-                                                       '[activation_checkpoint]\nmode = "none"\n')))
-    assert not loss.compile and loss.notes == ['compile.components = ["loss"] compiles no part of the model: its '
-                                               'blocks are simulated eager (a compiled loss is not modelled)']
-    both = read_config(TORCHTITAN, str(titan(tmp_path, '[compile]\nenable = true\ncomponents = ["model", "loss"]\n'
-                                                       '[activation_checkpoint]\nmode = "none"\n')))
-    assert both.compile and not both.notes
+    every block compiled (and minutes of partitioning); ``components`` left out holds both (the default). A compiled
+    loss is --compile-loss (trace/compiled_loss.py); it was left eager, its fp32 copies of the logits counted."""
+    def read(components: str):
+        return read_config(TORCHTITAN, str(titan(tmp_path, f'[compile]\nenable = true\n{components}'
+                                                           '[activation_checkpoint]\nmode = "none"\n')))
+
+    loss = read('components = ["loss"]\n')
+    assert (loss.compile, loss.compile_loss) == (False, True)
+    assert loss.notes == ['compile.components = ["loss"] compiles no part of the model: its blocks are simulated eager']
+    for components in ('components = ["model", "loss"]\n', ""):
+        both = read(components)
+        assert (both.compile, both.compile_loss) == (True, True) and not both.notes
+    model = read('components = ["model"]\n')
+    assert (model.compile, model.compile_loss) == (True, False) and not model.notes
 
 
 @pytest.mark.parametrize(("text", "error"), [

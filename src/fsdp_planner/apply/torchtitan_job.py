@@ -112,7 +112,10 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
                         "expert_parallel_degree": plan.ep_degree,  # EP's ranks out of dp_shard, as torchtitan's
                         "spmd_backend": "partial_dtensor"},  # parallelize_fn's: FSDP2 over DTensor meshes
         "activation_checkpoint": {"class": ac},
-        "compile": {"enable": compiled,
+        "compile": {"enable": compiled or plan.compiled_loss,
+                    # CompileConfig's default components compile the loss too: what the plan compiles, said
+                    **({"components": [*(["model"] if compiled else []), *(["loss"] if plan.compiled_loss else [])]}
+                       if compiled or plan.compiled_loss else {}),
                     **({"enable_async_tensor_parallel": True} if tp is not None and tp.async_tp and compiled else {})},
         "optimizer": {"implementation": implementation} if implementation else {},
     }

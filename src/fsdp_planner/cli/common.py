@@ -94,4 +94,6 @@ def run_flags(job: PlanJob, split: bool, workload: bool = False) -> str:
         flags += ["--optimizer", opts.optimizer.name]
     if model.compile:  # (the plan names its compiled blocks; the step traced compiled needs the option)
         flags.append("--compile")
+    if model.compile_loss:
+        flags.append("--compile-loss")
     return f" (simulated as: give simulate and verify {' '.join(flags)})" if flags else ""

@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
     if fmt is ExportFormat.TORCHTITAN:  # its job file runs one setting for every block
         for said in unexpressed(plan, precision_named(precision), modules):
             render.note(said)
+    elif plan.compiled_loss:  # (torchtitan's job compiles it: compile.components)
+        render.note("the plan's loss runs torch.compile'd (--compile-loss): the code applies the plan to the model; "
+                    "compile your loss function too (loss_fn = torch.compile(loss_fn)), or its memory is eager's")
     # accelerate: --out is the launch config, the code goes beside it (checked before any work by check_paths)
     hook = export_files(args.out, fmt.value, args.force) if args.out is not None else None
     code_file = hook or (Path(args.out) if args.out is not None else None)

@@ -145,6 +145,10 @@ def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:
     sp.add_argument("--compile", action="store_true",
                     help="the repeated blocks run torch.compile'd (fullgraph), as torchtitan's compile.enable: what "
                          "each saves for backward is what AOTAutograd's partitioner saves (recorded in the plan)")
+    sp.add_argument("--compile-loss", action="store_true",
+                    help="the loss runs torch.compile'd apart from the model, as torchtitan's compile.components "
+                         "\"loss\": what it holds is what AOTAutograd's partitioner and inductor's fusion make (a "
+                         "language model's cross-entropy without its fp32 copies of the logits; recorded in the plan)")
     sp.add_argument("--routing", type=float, default=None, metavar="CAPACITY",
                     help="capacity factor of the balanced-routing stand-in that data-dependent ops (a torch.where "
                          "or nonzero router, .item() checks) run while planned: each expert gets tokens x top_k / "

@@ -118,6 +118,7 @@ def _show(args: argparse.Namespace, reports: list[tuple[str, StepReport]], plans
     for (label, r), (_, p) in zip(reports, plans, strict=True):
         # what changes the step beyond the grouping: compiled blocks, float8 matmuls
         label += ", blocks compiled" if model_spec(args).compile else ""
+        label += ", loss compiled" if model_spec(args).compile_loss else ""
         float8 = options.float8 or p.float8  # the command line's, or the plan file's own (plan_options)
         label += f", {float8.describe()}" if float8 else ""
         # torchtitan's wrapper (its jobs), --no-early-stop or a plan file's own: recomputation re-runs the block

@@ -106,6 +106,7 @@ class JobConfig:
     reduce_dtype: str | None = None
     optimizer: str | None = None  # torchtitan's optimizer and its implementation, as --optimizer names them
     offload: bool = False
+    compile_loss: bool = False  # torchtitan's compile.enable with "loss" in compile.components: the loss compiled
     compile: bool = False  # torchtitan's compile.enable (or training.compile): every block torch.compile'd
     early_stop: bool | None = None  # torchtitan's checkpoint wrapper's early_stop (None: not checkpointed, or not
     # torchtitan's: torch's default)
@@ -140,6 +141,7 @@ KEY_NAMES = {
                  "replicate": "parallelism.data_parallel_replicate_degree",
                  "shard": "parallelism.data_parallel_shard_degree", "offload": "training.enable_cpu_offload",
                  "policy": "(the grouping)", "compile": "compile.enable",
+                 "compile_loss": "compile.components (\"loss\")",
                  "early_stop": "activation_checkpoint.early_stop"},
     ACCELERATE: {"ac": "fsdp_config.fsdp_activation_checkpointing",
                  "reshard": "fsdp_config.fsdp_reshard_after_forward",
@@ -299,10 +301,12 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
         components = re.findall(r"[A-Za-z_]+", components)
     if compile_on and isinstance(components, list) and "model" not in components:
         cfg.notes.append(f"compile.components = {shown_json(components)} compiles no part of the model: its blocks "
-                         "are simulated eager (a compiled loss is not modelled)")
+                         "are simulated eager")
     elif compile_on:  # torchtitan compiles each transformer block (fullgraph): --compile
         key = "compile.enable" if "enable" in _table(cfg, data, "compile") else "training.compile"
         cfg.compile = cfg.keys[key] = _bool(cfg, key, compile_on)
+    if compile_on and isinstance(components, list) and "loss" in components:  # the loss compiled: --compile-loss
+        cfg.compile_loss = True
     _check_async_tp(cfg, _table(cfg, data, "compile"))
     _titan_float8(cfg, data)
     _titan_float8_tp(cfg)

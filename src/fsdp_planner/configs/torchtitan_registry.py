@@ -65,7 +65,7 @@ MAX_FLAGS = 1000
 
 # Trainer.Config keys that change nothing a step's time or memory depends on here: read past.
 IGNORED = frozenset({"hf_assets_path", "dump_folder", "profiler", "metrics", "tokenizer", "dataloader",
-                     "lr_scheduler", "checkpoint", "comm", "validator", "debug", "override", "loss"})
+                     "lr_scheduler", "checkpoint", "comm", "validator", "debug", "override"})
 SECTION_CLASSES = {"training": "TrainingConfig", "parallelism": "ParallelismConfig", "compile": "CompileConfig",
                    "activation_checkpoint": "SelectiveAC.Config"}  # each section's dataclass, for an override
 # TrainingConfig: the token counts become the TOML's local_batch_size / seq_len / global_batch_size; the rest keep
@@ -686,6 +686,8 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
             data[key] = _ac(value, label, notes)
         elif key == "optimizer":
             data[key] = _optimizer(value, label, notes)
+        elif key == "loss":
+            _loss(value, notes)
         elif key in READ:
             data[key] = _section(key, value, label, notes)
         else:
@@ -697,6 +699,28 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
                      f"model_spec.parallelize_fn = {EXPORTED_FN}): these figures are of torchtitan's own groups for "
                      "the job's keys; simulate the plan file for the plan's")
     return data
+
+
+# torchtitan's ChunkedLossWrapper.Config's default number of chunks (torchtitan/components/loss.py at b5bcd76)
+DEFAULT_LOSS_CHUNKS = 8
+
+
+def _loss(value: Any, notes: list[str]) -> None:
+    """``loss=``: torchtitan's whole-sequence ``CrossEntropyLoss`` is what the step simulates; any other, a note that
+    says what is simulated instead (the loss is often a step's memory peak: its logits and their fp32 copies)."""
+    if isinstance(value, Call) and value.kind == "CrossEntropyLoss":
+        return
+    if isinstance(value, Call) and value.kind == "ChunkedLossWrapper":
+        chunks = value.fields.get("num_chunks", DEFAULT_LOSS_CHUNKS)
+        shown = f"{chunks}" if type(chunks) is int else "its"
+        notes.append(f"loss = ChunkedLossWrapper ({shown} chunks of the sequence, each running the output layer "
+                     "and the loss with its own backward) is simulated as one cross-entropy over the whole "
+                     "sequence: the loss's peak (the whole logits and their fp32 copies) is over-counted, up to "
+                     f"{shown}-fold, and the output layer's {shown} reduce-scatters a step counted as one")
+        return
+    shown = value.name if isinstance(value, Call) else cut_short(str(value))
+    notes.append(f"loss = {shown_json(shown)[1:-1]} is simulated as torchtitan's CrossEntropyLoss over the whole "
+                 "sequence")
 
 
 def _exported_plan(tree: ast.Module, label: str) -> str | None:

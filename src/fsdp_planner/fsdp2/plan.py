@@ -33,7 +33,7 @@ PLAN_VERSION = 1
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
              "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8", "workload",
-             "optimizer", "checkpoint_early_stop")
+             "optimizer", "checkpoint_early_stop", "compiled_loss")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -212,6 +212,8 @@ class Plan:
     # recorded (a hand-written plan, or one written before plans recorded it)
     checkpoint_early_stop: bool = True  # torch.utils.checkpoint(early_stop=...) of its checkpointed modules: False
     # re-runs each one's whole forward in backward, as torchtitan's checkpoint wrapper does (--no-early-stop)
+    compiled_loss: bool = False  # the loss torch.compile'd apart from the model, as torchtitan's
+    # compile.components "loss" (--compile-loss; ``trace/compiled_loss.py``): what an export compiles
 
     def __post_init__(self) -> None:
         _tuples(self, ("groups", "activation_checkpointing", "activation_offloading", "compiled"))
@@ -263,6 +265,8 @@ class Plan:
         tensorwise"; "" for none."""
         n = len(self.compiled)
         parts = [f"{n} module{'s' if n != 1 else ''} compiled"] if n else []
+        if self.compiled_loss:
+            parts.append("loss compiled")
         if self.float8 is not None:
             parts.append(f"float8 {self.float8.recipe.value}"
                          + (" (TP all-gathers in float8)" if self.float8.tp_float8_all_gather else ""))
@@ -352,6 +356,8 @@ class Plan:
             d["expert_parallel"] = self.expert_parallel.to_dict()
         if self.compiled:
             d["compiled"] = list(self.compiled)
+        if self.compiled_loss:  # absent: the loss runs eager, as plans written before it read
+            d["compiled_loss"] = True
         if self.float8 is not None:
             d["float8"] = self.float8.to_dict()
         if self.workload is not None:
@@ -431,6 +437,7 @@ def _plan_from_dict(data: Any) -> Plan:
                 compiled=_compiled_from(data.get("compiled", [])), float8=float8_from_dict(data.get("float8")),
                 workload=_workload_from(data.get("workload")), optimizer=_optimizer_from(data.get("optimizer", "")),
                 checkpoint_early_stop=_early_stop_from(data.get("checkpoint_early_stop", True)),
+                compiled_loss=_compiled_loss_from(data.get("compiled_loss", False)),
                 **_memory_options(data))
     plan = _with_its_ep(plan)
     check_int_reshard_on_dim0(plan)
@@ -513,6 +520,13 @@ def _offloaded_from(items: Any) -> list[str]:
         raise PlannerError("plan 'activation_offloading' must be a list of module names, each listed once (the "
                            "modules whose saved activations are offloaded to the host)")
     return list(items)
+
+
+def _compiled_loss_from(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise PlannerError(f"plan 'compiled_loss' must be true (the loss runs torch.compile'd, --compile-loss) or "
+                           f"false, got {shown_json(value)}")
+    return value
 
 
 def _compiled_from(items: Any) -> list[str]:

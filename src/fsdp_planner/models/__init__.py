@@ -92,6 +92,8 @@ class ModelSpec:
     compile: bool = False  # --compile: the repeated blocks run torch.compile'd (what they save: trace/compiled.py)
     fp32_modules: tuple[str, ...] = ()  # --fp32-modules: modules kept in fp32 groups under a mixed precision (a
     # router, as torchtitan keeps MoE routers; sim/tracing.py)
+    compile_loss: bool = False  # --compile-loss: the loss runs torch.compile'd, apart from the model (what it holds:
+    # trace/compiled_loss.py)
 
     def __post_init__(self) -> None:
         if self.attention is not None and self.attention not in ATTENTION_NAMES:
@@ -149,7 +151,8 @@ class ModelSpec:
     def to_json(self) -> dict[str, Any]:
         extra = {k: getattr(self, k) for k in ("attention", "routing") if getattr(self, k) is not None}
         config = {"hf_config": dict(self.hf_config)} if self.hf_config else {}
-        compiled = {"compile": True} if self.compile else {}
+        compiled = {**({"compile": True} if self.compile else {}),
+                    **({"compile_loss": True} if self.compile_loss else {})}
         fp32 = {"fp32_modules": list(self.fp32_modules)} if self.fp32_modules else {}
         return {"name": self.name, **self.kwargs(), **extra, **config, **compiled, **fp32}
 

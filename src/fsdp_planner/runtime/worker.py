@@ -128,7 +128,8 @@ def batch(spec: ModelSpec, step: int, rank: int, base_seed: int, micro: int = 0
     """Micro-batch ``micro`` for (step, rank): the factory's example inputs and loss, drawn under a fixed seed (the
     same in every run that reaches that step)."""
     lm = load_model(spec, meta=False, seed=base_seed + 1000 * (step + 1) + rank + MICRO_SEED_STRIDE * micro)
-    return lm.example_inputs, lm.loss_fn or default_loss
+    loss = lm.loss_fn or default_loss
+    return lm.example_inputs, torch.compile(loss) if spec.compile_loss else loss  # (--compile-loss: as planned)
 
 
 MICRO_SEED_STRIDE = 7919  # a prime: micro-batch m of a step draws from its own seed, micro-batch 0 as without them

@@ -388,6 +388,10 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         m.given("compile", True, cfg.key("compile"), default=False)
     elif cfg.kind == TORCHTITAN:
         m.agrees("compile", False, cfg.key("compile"), default=False)
+    if cfg.compile_loss:
+        m.given("compile_loss", True, cfg.key("compile_loss"), default=False)
+    elif cfg.kind == TORCHTITAN:
+        m.agrees("compile_loss", False, cfg.key("compile_loss"), default=False)
     if cfg.float8:
         m.given("float8", cfg.float8, "the float8 converter's recipe_name")
         if cfg.float8 == "tensorwise":  # (rowwise gathers bf16 whatever the key says: nothing to give)

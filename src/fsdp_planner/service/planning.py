@@ -141,7 +141,8 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
         # refuses the setting)
     return dataclasses.replace(plan, precision=job.options.precision.name, optimizer=job.options.optimizer.name,
                                attention=job.model.attention or "",
-                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled), float8=float8,
+                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled),
+                               compiled_loss=tr.compiled_loss is not None, float8=float8,
                                workload=_workload(plan, job),
                                checkpoint_early_stop=_early_stop(plan, job.options))
 

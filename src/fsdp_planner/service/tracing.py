@@ -24,8 +24,9 @@ from fsdp_planner.service import tp_numerics
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.compiled import alike_blocks
+from fsdp_planner.trace.compiled_loss import LossInputs, capturing, compiled_loss, with_compiled_loss
 from fsdp_planner.trace.failures import LOSS, failed_at
-from fsdp_planner.trace.recorder import record, record_compiled
+from fsdp_planner.trace.recorder import default_loss, record, record_compiled
 from fsdp_planner.trace.records import Trace
 
 
@@ -35,9 +36,11 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     repeated blocks); what the trace notes (and which attention kernel it assumed) goes to ``note``."""
     spec = as_spec(spec)
     lm = load_model(spec, meta=True)
+    loss_inputs: list[LossInputs] = []
+    loss_fn = capturing(lm.loss_fn or default_loss, loss_inputs) if spec.compile_loss else lm.loss_fn
     try:
         with kernel(spec.attention) as attention, consulted() as routed:
-            tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision=precision or SimOptions().precision,
+            tr = trace(lm.model, lm.example_inputs, loss_fn, precision=precision or SimOptions().precision,
                        reuse=not full, routing=spec.routing or DEFAULT_CAPACITY, fp32_modules=spec.fp32_modules)
     except PlannerError:  # a PrecisionError among them: the model fails in the compute dtype only
         raise
@@ -57,7 +60,24 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
                  hf.version_note() if hf.is_hf(spec.name) else None):
         if line:
             note(line)
+    if spec.compile_loss:
+        tr = _with_compiled_loss(tr, lm, spec, loss_inputs)
     return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
+
+
+def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[LossInputs]) -> Trace:
+    """The step with its loss compiled (``--compile-loss``, ``trace/compiled_loss.py``), measured on what the
+    traced step gave the loss."""
+    if not given:  # (the loss_fn never ran: tracing would have failed first)
+        return tr
+    try:
+        loss = compiled_loss(lm.loss_fn or default_loss, given[0])
+    except PlannerError:
+        raise
+    except Exception as e:
+        raise PlannerError(f"--compile-loss: AOTAutograd could not trace the loss of '{spec}' "
+                           f"({compile_error(e)}); plan it without --compile-loss") from e
+    return with_compiled_loss(tr, loss)
 
 
 LOCAL_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE)  # the styles whose one rank's step ``check_local_shapes`` runs

@@ -102,6 +102,7 @@ class Keywords:
     fp32_modules: object = None  # modules kept in fp32 groups (command line: --fp32-modules A,B); None: none
     hf_config: object = None
     compile: object = False  # the repeated blocks torch.compile'd (command line: --compile)
+    compile_loss: object = False  # the loss torch.compile'd (command line: --compile-loss)
     float8: object = None  # float8 training's recipe (command line: --float8); None: none
     float8_all_gather: object = None  # with float8: FSDP2's float8 all-gather (None: the recipe's default)
     float8_skip: object = None  # with float8: Linears left in bf16 besides the output head (--float8-skip A,B)
@@ -342,7 +343,7 @@ def model_spec(kw: Keywords, spell: Spelling, name: str | None = None) -> ModelS
         if kw.routing is not None else None
     return ModelSpec(name or text(kw.model, "model", spell), batch // n if batch is not None else None, seq,
                      attention, routing, hf_config(kw.hf_config, spell), flag(kw.compile, "compile", spell),
-                     fp32_modules(kw.fp32_modules, spell))
+                     fp32_modules(kw.fp32_modules, spell), flag(kw.compile_loss, "compile_loss", spell))
 
 
 def _needs_micro_batches(kw: Keywords, spell: Spelling) -> None:

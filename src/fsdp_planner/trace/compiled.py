@@ -119,14 +119,36 @@ _GRAPH_FIELDS = ("kind", "call", "flops", "nbytes", "backward", "op_class", "out
                  "grad_live", "workspace", "grad_inputs")
 
 
-def compiled_block(module: nn.Module, args: tuple, kwargs: dict) -> CompiledBlock:
-    """``module``'s call compiled: the activations it saves for backward (the partitioned backward graph's inputs
-    less its tangents and the module's params and buffers, each storage once) and its graphs' fused bytes and
-    launches (module docstring)."""
+def partitioned_graphs(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> dict[str, torch.fx.GraphModule]:
+    """``fn``'s forward ("fw") and backward ("bw", absent when nothing needs a gradient) graphs as AOTAutograd
+    partitions them for inductor (``min_cut_rematerialization_partition``, inductor's decompositions), traced by
+    calling ``fn(*inputs)`` and a backward of every output that needs a gradient."""
     from torch._functorch.aot_autograd import aot_function, make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    def keep(kind: str):
+        def compiler(gm: torch.fx.GraphModule, _inputs: list) -> Any:
+            graphs[kind] = gm
+            return make_boxed_func(gm)
+
+        return compiler
+
+    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    run = aot_function(fn, fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=partition,
+                       decompositions=select_decomp_table())
+    out = run(*inputs)
+    grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    torch.autograd.backward([t.sum() for t in grads])
+    return graphs
+
+
+def compiled_block(module: nn.Module, args: tuple, kwargs: dict) -> CompiledBlock:
+    """``module``'s call compiled: the activations it saves for backward (the partitioned backward graph's inputs
+    less its tangents and the module's params and buffers, each storage once) and its graphs' fused bytes and
+    launches (module docstring)."""
     state = {**dict(module.named_parameters(remove_duplicate=False)),
              **dict(module.named_buffers(remove_duplicate=False))}
     leaves, spec = tree_flatten((args, kwargs))
@@ -140,23 +162,9 @@ def compiled_block(module: nn.Module, args: tuple, kwargs: dict) -> CompiledBloc
         a, k = tree_unflatten(filled, spec)
         return torch.func.functional_call(module, dict(zip(names, flat[len(at):], strict=True)), a, k)
 
-    graphs: dict[str, torch.fx.GraphModule] = {}
-
-    def keep(kind: str):
-        def compiler(gm: torch.fx.GraphModule, _inputs: list) -> Any:
-            graphs[kind] = gm
-            return make_boxed_func(gm)
-
-        return compiler
-
-    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
-    run = aot_function(step, fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=partition,
-                       decompositions=select_decomp_table())
     inputs = [leaves[i].detach().requires_grad_(leaves[i].requires_grad) for i in at]
-    out = run(*inputs, *state.values())
-    grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    torch.autograd.backward([t.sum() for t in grads])
-    fused = (_fused(graphs["fw"]), _fused(graphs["bw"]) if "bw" in graphs else (0, 0))
+    graphs = partitioned_graphs(step, [*inputs, *state.values()])
+    fused = (fused_bytes(graphs["fw"]), fused_bytes(graphs["bw"]) if "bw" in graphs else (0, 0))
     return CompiledBlock(_saved_nbytes(graphs, set(range(len(at), len(at) + len(names)))),
                          (fused[0][0], fused[1][0]), (fused[0][1], fused[1][1]))
 
@@ -166,13 +174,41 @@ def saved_under_dynamo(module: nn.Module, args: tuple, kwargs: dict) -> int:
     the same partitioner): for a forward AOTAutograd alone cannot trace, such as one under selective
     checkpointing, whose policy the partitioner applies (dynamo turns the checkpoint into a tagged region). Resets
     dynamo's caches: each distinct block is a new compile."""
+    compilable()
+    routing.compilable()
+    # transformers 5.25's kernels-package forward wrapper sets a context variable inside the block, a side effect
+    # dynamo refuses under a checkpoint unless told not to replay it in backward: what the block saves does not
+    # depend on it
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        traced = dynamo_graphs(module, _grad_leaves(args), kwargs)
+    # dynamo names the inputs it lifts from the module's state after it: ..._parameters_... / _buffers_
+    params = {i for i, name in enumerate(traced.names) if "_parameters_" in name or "_buffers_" in name}
+    return _saved_nbytes(traced.graphs, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamoGraphs:
+    """A call as ``torch.compile`` traces it: its partitioned graphs ("fw", "bw"), and the graph's inputs as
+    dynamo lifted them (its placeholders' names, and the tensors the call passed there, in the same order, which
+    is the forward graph's)."""
+
+    graphs: dict[str, torch.fx.GraphModule]
+    names: list[str]
+    inputs: list[Any]
+
+
+def dynamo_graphs(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> DynamoGraphs:
+    """``fn(*args, **kwargs)`` compiled with fullgraph=True through dynamo and AOTAutograd with inductor's
+    partitioner and decompositions, and a backward of every output that needs a gradient (``DynamoGraphs``).
+    Dynamo lifts what ``fn`` reads besides its arguments (a module's state, the tensors a closure holds) as graph
+    inputs. Resets dynamo's caches before and after."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
     graphs: dict[str, torch.fx.GraphModule] = {}
-    params: set[int] = set()
+    lifted: dict[str, list] = {}
 
     def keep(kind: str):
         def compiler(gm: torch.fx.GraphModule, _inputs: list) -> Any:
@@ -185,36 +221,29 @@ def saved_under_dynamo(module: nn.Module, args: tuple, kwargs: dict) -> int:
                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
 
     def backend(gm: torch.fx.GraphModule, inputs: list) -> Any:
-        # dynamo names the inputs it lifts from the module's state after it: ..._parameters_... / _buffers_
-        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        params.update(i for i, name in enumerate(names) if "_parameters_" in name or "_buffers_" in name)
+        lifted["names"] = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        lifted["inputs"] = list(inputs)
         return aot(gm, inputs)
 
     torch._dynamo.reset()
-    compilable()
-    routing.compilable()
     quiet = logging.getLogger("torch")  # dynamo's advice on checkpoints under compile is for the user's own code
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        # transformers 5.25's kernels-package forward wrapper sets a context variable inside the block, a side
-        # effect dynamo refuses under a checkpoint unless told not to replay it in backward: what the block saves
-        # does not depend on it
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-            out = torch.compile(module, backend=backend, fullgraph=True)(*_grad_leaves(args), **kwargs)
+        out = torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
         grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         torch.autograd.backward([t.sum() for t in grads])
     finally:
         quiet.setLevel(level)
         torch._dynamo.reset()
-    return _saved_nbytes(graphs, params)
+    return DynamoGraphs(graphs, lifted.get("names", []), lifted.get("inputs", []))
 
 
 def _grad_leaves(args: tuple) -> list:
     return [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def _kind(n: torch.fx.Node) -> str:
+def node_kind(n: torch.fx.Node) -> str:
     """``view`` (moves nothing), ``extern`` (a library kernel), ``fused`` (a memory-bound op), or the node's op
     (``placeholder``, ``output``)."""
     if n.op != "call_function":
@@ -225,9 +254,9 @@ def _kind(n: torch.fx.Node) -> str:
     return "extern" if any(word in name for word in _EXTERN) else "fused"
 
 
-def _fused(gm: torch.fx.GraphModule) -> tuple[int, int]:
+def fused_bytes(gm: torch.fx.GraphModule) -> tuple[int, int]:
     """Bytes the graph's memory-bound kernels move and the kernels it launches (module docstring)."""
-    kind = {n: _kind(n) for n in gm.graph.nodes}
+    kind = {n: node_kind(n) for n in gm.graph.nodes}
 
     def root(n: torch.fx.Node) -> torch.fx.Node:  # the node whose output a view's storage is
         while kind[n] == "view" and n.all_input_nodes:
@@ -257,12 +286,12 @@ def _fused(gm: torch.fx.GraphModule) -> tuple[int, int]:
             else:
                 read.add(r)
         if any(kind[u] != "fused" for u in users(n)):
-            written += _nbytes(n)
-    return sum(_nbytes(r) for r in read) + written, \
+            written += node_nbytes(n)
+    return sum(node_nbytes(r) for r in read) + written, \
         sum(1 for k in kind.values() if k == "extern") + len({find(n) for n in parent})
 
 
-def _nbytes(n: torch.fx.Node) -> int:
+def node_nbytes(n: torch.fx.Node) -> int:
     vals = n.meta.get("val")
     return sum(v.numel() * v.element_size() for v in tree_flatten(vals)[0] if isinstance(v, torch.Tensor))
 

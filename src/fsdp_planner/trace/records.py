@@ -25,6 +25,20 @@ class CompiledBlock:
 
 
 @dataclass(frozen=True)
+class CompiledLoss:
+    """The loss torch.compile'd apart from the model (torchtitan's ``compile.components`` "loss") as AOTAutograd's
+    partitioner and inductor's fusion make it (``compiled_loss.py``): storage bytes, at the trace's dtypes."""
+
+    inputs: int  # the loss's inputs from the model (its outputs: a language model's logits)
+    kept_inputs: int  # of those, what the forward keeps for backward (alive after it, whatever the caller frees)
+    forward_peak: int  # the most alive while its forward runs, its inputs included
+    saved: int  # what the forward keeps for backward besides its inputs (per-row statistics of the logits)
+    backward_peak: int  # the most alive while its backward runs: what was kept, the loss's gradient, what it writes
+    grads: int  # the gradients it returns to the model, alive until backward reaches the model
+    fused_nbytes: tuple[int, int]  # bytes its fused kernels move, forward and backward (``compiled.py``'s floor)
+
+
+@dataclass(frozen=True)
 class Trace:
     """One traced training step. Immutable: derived views live in ``index``; measured op times make a new
     Trace (``with_op_seconds``)."""
@@ -46,6 +60,8 @@ class Trace:
     # one line each, for the commands to print
     compiled: Mapping[str, CompiledBlock] = field(default_factory=dict)  # module -> what its call saves and moves
     # when torch.compile'd (``compiled.py``): the modules the step runs compiled; empty: an eager step
+    compiled_loss: CompiledLoss | None = None  # the loss torch.compile'd (``compiled_loss.py``), which the loss
+    # region's live bytes and memory-bound bytes already are; None: the loss runs eager
     tensor_parallel: tuple = ()  # a per-TP-rank view (``sim/tensor_parallel.py``): the TP layout's signature
     # (degree, layout, loss parallel, async TP); empty: the whole model on one rank
     float8_tp: frozenset[str] = frozenset()  # in a TP view: the modules in torchao's float8 TP styles

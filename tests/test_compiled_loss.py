@@ -1,0 +1,135 @@
+"""The loss torch.compile'd apart from the model (``--compile-loss``, torchtitan's ``compile.components`` "loss"):
+what it holds against what inductor allocates, how the step takes it, and how plans, configs and exports carry it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from fsdp_planner.apply.export import ExportFormat, export_plan
+from fsdp_planner.configs.job_config import TORCHTITAN, read_config
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Group, Plan, Workload
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import ModelSpec
+from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+from fsdp_planner.service.planning import policy_plan
+from fsdp_planner.service.tracing import trace_spec
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.trace.compiled_loss import LossInputs, compiled_loss
+
+N, V, D = 2048, 16000, 256  # tokens, vocabulary, width: the logits 64 MiB in bf16
+
+
+def _losses(labels: torch.Tensor, weight: torch.Tensor) -> dict:
+    """Losses as training scripts write them: torchtitan's cross-entropy on fp32 logits, with a z-loss, with label
+    smoothing, a regression loss, and one that runs the output layer itself (a library matmul inside)."""
+    def ce(x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(x.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    return {"ce": ce,
+            "ce_zloss": lambda x: ce(x) + 1e-4 * torch.logsumexp(x.float(), -1).pow(2).mean(),
+            "smoothing": lambda x: F.cross_entropy(x.flatten(0, 1).float(), labels.flatten(0, 1), label_smoothing=0.1),
+            "mse": lambda x: (x.float() - 1).pow(2).mean(),
+            "head_ce": lambda h: ce(F.linear(h, weight))}
+
+
+def _measured(loss_fn, x: torch.Tensor) -> int:
+    """Most bytes inductor's compiled loss holds above what existed before it (forward and backward), from the
+    profiler's memory events on this CPU build: x, the labels and the weight are the caller's."""
+    compiled = torch.compile(loss_fn)
+    compiled(x).backward()  # (compiled and warmed up outside the profile)
+    x.grad = None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        compiled(x).backward()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("name", "tolerance"), [("ce", 0.01), ("ce_zloss", 0.01), ("smoothing", 0.01), ("mse", 0.01),
+                                                 ("head_ce", 0.08)])
+def test_a_compiled_loss_holds_what_inductor_allocates(name, tolerance):
+    """The model (the partitioner's graphs, fused regions alive only at their edges, inductor's in-place reuse)
+    against inductor's real kernels on this CPU: each loss's peak above its caller's tensors is 1.0x the bf16
+    logits compiled (eager: 6.0x, three fp32 copies). head_ce is measured 8% above the bf16 logits
+    (what the CPU's matmul allocates for itself); the model has 1.6% above."""
+    torch.manual_seed(0)
+    labels, weight = torch.randint(0, V, (1, N)), torch.randn(V, D, dtype=torch.bfloat16)
+    x = torch.randn(1, N, D if name == "head_ce" else V, dtype=torch.bfloat16, requires_grad=True)
+    torch._dynamo.reset()
+    measured = _measured(_losses(labels, weight)[name], x)
+    # planned as the step plans it: on meta, the labels and the weight on meta too
+    loss = compiled_loss(_losses(labels.to("meta"), weight.to("meta"))[name], LossInputs.of(x.to("meta")))
+    # the caller holds x throughout (the model's outputs are the loss's to free in a step)
+    predicted = max(loss.forward_peak - loss.inputs, loss.backward_peak - loss.kept_inputs)
+    assert measured == pytest.approx(N * V * 2, rel=0.09)  # the bf16 logits, once
+    assert predicted == pytest.approx(measured, rel=tolerance)
+
+
+def test_a_cross_entropy_traced_on_meta_has_its_backward():
+    """aten.nll_loss's Python meta kernel ran below autograd under AOTAutograd on meta tensors: the compiled
+    cross-entropy had no backward graph at all (nothing saved, no gradient counted)."""
+    labels = torch.zeros(1, 64, dtype=torch.long, device="meta")
+    x = torch.empty(1, 64, 1000, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    loss = compiled_loss(_losses(labels, labels)["ce"], LossInputs.of(x))
+    assert loss.grads == x.numel() * 2 and loss.kept_inputs == x.numel() * 2  # bf16 gradient; the logits kept
+    assert loss.backward_peak >= loss.kept_inputs + loss.grads  # read and written by one kernel: together
+    assert torch.ops.aten.nll_loss.default.py_kernels  # (its meta kernel back in place)
+
+
+def test_the_step_with_a_compiled_loss_holds_what_the_loss_does():
+    """The loss region's live bytes are the compiled loss's: its forward's peak at the first op, what it keeps
+    after; its backward's peak at the first backward op, the gradients after. torchtitan's debug Llama (vocab
+    2,048) at batch 8 x 2,048: the eager loss holds three fp32 copies of the logits, the compiled one none."""
+    eager = trace_spec("llama3-debugmodel")
+    compiled = trace_spec(ModelSpec("llama3-debugmodel", compile_loss=True))
+    loss = compiled.compiled_loss
+    assert eager.compiled_loss is None and loss is not None
+    logits = 8 * 2048 * 2048 * 2  # (in bf16: the default precision traces in its compute dtype)
+    assert loss.inputs == logits and loss.grads == logits
+    region = compiled.index.loss_region
+    forward = [e.live for e, inside in zip(compiled.events, region, strict=True) if inside and not e.backward]
+    backward = [e.live for e, inside in zip(compiled.events, region, strict=True) if inside and e.backward]
+    assert forward[0] == loss.forward_peak and set(forward[1:]) <= {loss.kept_inputs + loss.saved}
+    assert backward[0] == loss.backward_peak and set(backward[1:]) <= {loss.grads}
+    eager_peak = max(e.live for e, inside in zip(eager.events, eager.index.loss_region, strict=True) if inside)
+    assert eager_peak >= 3 * logits and max(forward + backward) <= 2 * logits + logits // 64
+    cluster = parse_cluster("h100:8")
+    peaks = []
+    for tr in (eager, compiled):
+        plan = policy_plan(tr, PolicyRequest(PolicyName.TITAN), "llama3-debugmodel", cluster)
+        peaks.append(simulate(tr, plan, cluster, SimOptions()).peak_memory)
+    assert peaks[1] < peaks[0]
+
+
+def test_a_plan_records_its_compiled_loss_and_reads_it_back():
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])],
+                compiled_loss=True)
+    assert '"compiled_loss": true' in plan.to_json() and Plan.from_json(plan.to_json()).compiled_loss
+    assert "compiled_loss" not in plan.replace(compiled_loss=False).to_json()  # (plans before it read as before)
+    with pytest.raises(PlannerError, match=r"^plan 'compiled_loss' must be true .* or false, got \"yes\"$"):
+        Plan.from_json(plan.to_json().replace('"compiled_loss": true', '"compiled_loss": "yes"'))
+
+
+@pytest.mark.parametrize(("compiled", "compiled_loss", "read"), [
+    ((), True, (False, True)), (("layers.0",), True, (True, True)), (("layers.0",), False, (True, False)),
+    ((), False, (False, False))])
+def test_a_torchtitan_export_compiles_what_the_plan_does(tmp_path, compiled, compiled_loss, read):
+    """CompileConfig's default components compile the loss too: an export of a plan with compiled blocks and an
+    eager loss compiled both (its memory below the plan's, unsaid). The export names its components, and reads
+    back as the plan."""
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])],
+                workload=Workload(1, 8192), compiled=compiled, compiled_loss=compiled_loss)
+    path = tmp_path / "titan_plan.py"
+    path.write_text(export_plan(plan, ExportFormat.TORCHTITAN))
+    cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
+    assert (cfg.compile, cfg.compile_loss) == read
