@@ -133,3 +133,24 @@ def test_a_torchtitan_export_compiles_what_the_plan_does(tmp_path, compiled, com
     path.write_text(export_plan(plan, ExportFormat.TORCHTITAN))
     cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
     assert (cfg.compile, cfg.compile_loss) == read
+
+
+def test_plan_says_what_compiling_the_loss_frees():
+    """`plan --explain` (and a --compile-loss job) compares the loss compiled and eager under auto's plan: on the
+    debug Llama the loss is the peak (64 MiB of bf16 logits, three fp32 copies eager), so compiling it is said to
+    free most of it; the reverse answer names the eager loss's cost."""
+    from fsdp_planner.planners.answers import compile_loss_answer
+    from fsdp_planner.sim.budget import MemoryBudget
+
+    cluster = parse_cluster("h100:8")
+    eager = trace_spec("llama3-debugmodel")
+    compiled = trace_spec(ModelSpec("llama3-debugmodel", compile_loss=True))
+    plan = policy_plan(eager, PolicyRequest(PolicyName.TITAN), "llama3-debugmodel", cluster)
+    budget = MemoryBudget.of_gpu(cluster.gpu.memory_bytes, cluster.gpu.name)
+    base = simulate(eager, plan, cluster, SimOptions(), timeline=False)
+    found = compile_loss_answer(compiled, plan, cluster, SimOptions(), base, budget)
+    assert found is not None and found.message.startswith("torch.compile of the loss (--compile-loss)")
+    assert "plan with --compile-loss" in found.fix
+    back = compile_loss_answer(eager, plan, cluster, SimOptions(),
+                               simulate(compiled, plan, cluster, SimOptions(), timeline=False), budget)
+    assert back is not None and back.message.startswith("the same plan with the loss eager")

@@ -14,7 +14,7 @@ from fsdp_planner.cli.common import REPORTER, run_flags, tracer
 from fsdp_planner.cli.requests import plan_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_time, json_text
-from fsdp_planner.planners.answers import compile_answer, compiled_float8_answer, float8_answer
+from fsdp_planner.planners.answers import compile_answer, compile_loss_answer, compiled_float8_answer, float8_answer
 from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.service.fit import offload_verdict
 from fsdp_planner.service.outcome import PlanOutcome
@@ -162,6 +162,11 @@ def _what_ifs(outcome: PlanOutcome) -> None:
     if other is not None:
         found.append(compile_answer(other, plan, job.cluster, job.options, base, job.budget))
         found.append(compiled_float8_answer(other, plan, job.cluster, job.options, base, job.budget))
+    if model.compile_loss or job.explain:  # (a second trace, and dynamo on the loss: seconds)
+        with contextlib.suppress(PlannerError):
+            loss = tracer(job.measure, job.full_trace)(
+                dataclasses.replace(model, compile_loss=not model.compile_loss), job.options)
+            found.append(compile_loss_answer(loss, plan, job.cluster, job.options, base, job.budget))
     for f in found:
         if f is not None:
             render.console.print(escape(f"{f.message}: {f.fix}"), highlight=False)

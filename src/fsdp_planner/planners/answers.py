@@ -278,3 +278,29 @@ def compile_answer(other: Trace, plan: Plan, cluster: Cluster, options: SimOptio
         what = f"the same plan in eager mode (no torch.compile): {_versus(base, alt, budget)}"
         fix = _without_fix(base, alt, budget, "compiling", "eager")
     return Finding(Severity.INFO, Code.COMPILE_PAYS, what, fix)
+
+
+# a compiled loss's memory is worth planning for where it frees this much of the plan's reserved peak
+LOSS_MEMORY_PAYS = 0.05
+
+
+def compile_loss_answer(other: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
+                        budget: MemoryBudget) -> Finding | None:
+    """The plan's step on ``other``, the same model traced with its loss compiled (or eager, for a trace that
+    compiles it), against ``base``. What a compiled loss buys is memory (the logits' fp32 copies): room that auto,
+    planning with it, spends on less checkpointing or fewer groups."""
+    alt = _step(other, plan, cluster, options)
+    if alt is None:
+        return None
+    if other.compiled_loss is not None:
+        what = f"torch.compile of the loss (--compile-loss): {_versus(base, alt, budget)}"
+        freed = 1 - alt.reserved_memory / base.reserved_memory if base.reserved_memory else 0.0
+        fix = (f"compile the loss (loss_fn = torch.compile(loss_fn); torchtitan's compile.components \"loss\") and "
+               f"plan with --compile-loss: {freed:.0%} of the peak freed for auto to spend"
+               if freed >= LOSS_MEMORY_PAYS or _pays(base, alt, budget)
+               else "the loss is not this plan's peak: compiling it frees little here")
+    else:
+        what = f"the same plan with the loss eager (no torch.compile): {_versus(base, alt, budget)}"
+        fix = ("keep the loss compiled: eager, the plan is over the budget" if not budget.fits(alt.reserved_memory)
+               else _without_fix(base, alt, budget, "the compiled loss", "eager"))
+    return Finding(Severity.INFO, Code.COMPILE_LOSS_PAYS, what, fix)

@@ -41,9 +41,25 @@ from fsdp_planner.trace.records import CompiledLoss, Trace
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorLeaf:
+    """A tensor the model gave its loss, without its data."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def make(self) -> torch.Tensor:
+        """A fresh tensor like it (in whatever mode is active: a fake one under FakeTensorMode, none on meta)."""
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        return t.requires_grad_(self.requires_grad)
+
+
+@dataclasses.dataclass(frozen=True)
 class LossInputs:
-    """The model's outputs as the step passed them to the loss, without their data: each tensor leaf's
-    (shape, stride, dtype, device, requires_grad), anything else as it was, and the tree they make."""
+    """The model's outputs as the step passed them to the loss: each tensor a ``TensorLeaf``, anything else as it
+    was, and the tree they make."""
 
     leaves: tuple[Any, ...]
     spec: TreeSpec
@@ -51,26 +67,17 @@ class LossInputs:
     @classmethod
     def of(cls, output: Any) -> LossInputs:
         leaves, spec = tree_flatten(output)
-        return cls(tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+        return cls(tuple(TensorLeaf(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
                          if isinstance(t, torch.Tensor) else t for t in leaves), spec)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Fresh tensors of the recorded leaves (in whatever mode is active: fake tensors under FakeTensorMode)."""
-        return [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
-                for shape, stride, dtype, device, grad in self._tensor_leaves()]
+        return [x.make() for x in self.leaves if isinstance(x, TensorLeaf)]
 
     def call(self, loss_fn: Callable[[Any], torch.Tensor], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """``loss_fn`` on the output tree rebuilt around ``tensors``."""
         given = iter(tensors)
-        leaves = [next(given) if self._is_tensor(x) else x for x in self.leaves]
+        leaves = [next(given) if isinstance(x, TensorLeaf) else x for x in self.leaves]
         return loss_fn(tree_unflatten(leaves, self.spec))
-
-    def _tensor_leaves(self) -> list[tuple]:
-        return [x for x in self.leaves if self._is_tensor(x)]
-
-    @staticmethod
-    def _is_tensor(x: Any) -> bool:
-        return isinstance(x, tuple) and len(x) == 5 and isinstance(x[2], torch.dtype)
 
 
 def capturing(loss_fn: Callable[[Any], torch.Tensor], into: list[LossInputs]) -> Callable[[Any], torch.Tensor]:
