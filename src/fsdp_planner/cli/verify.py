@@ -227,16 +227,20 @@ def _fake_world_prediction(tr: Trace, plan: Plan, request: FakeWorldRequest) -> 
 
 
 def _eager(model: ModelSpec, plan: Plan, compiled: int) -> tuple[ModelSpec, Plan]:
-    """The job the fake ranks run and are compared with: its compiled modules eager. torch.compile cannot run on
-    fake tensors (inductor's kernels read data), so the ranks ran the blocks eager beside a compiled prediction
-    (peaks 6-10% apart); FSDP2's and TP's collectives are the same either way. Async TP needs compile: off too."""
-    render.note(f"the fake ranks run the job's {fmt_count(compiled, 'compiled module')} eager "
+    """The job the fake ranks run and are compared with: its compiled modules and loss eager. torch.compile cannot
+    run on fake tensors (inductor's kernels read data), so the ranks ran the blocks eager beside a compiled
+    prediction (peaks 6-10% apart); FSDP2's and TP's collectives are the same either way. Async TP needs compile:
+    off too."""
+    what = [fmt_count(compiled, "compiled module")] if compiled else []
+    what += ["compiled loss"] if model.compile_loss else []
+    render.note(f"the fake ranks run the job's {' and '.join(what)} eager "
                 "(torch.compile's kernels cannot run on fake tensors): the collectives are the compiled job's, "
-                "the peak is compared with the eager step's prediction (what compile saves is checked against "
-                "AOTAutograd's own graphs in the tests)")
+                "the peak is compared with the eager step's prediction (what compile saves and a compiled loss "
+                "holds are checked against AOTAutograd's graphs and inductor's allocations in the tests)")
     tp = plan.tensor_parallel
     eager_tp = dataclasses.replace(tp, async_tp=False) if tp is not None and tp.async_tp else tp
-    return dataclasses.replace(model, compile=False), plan.replace(compiled=(), tensor_parallel=eager_tp)
+    return dataclasses.replace(model, compile=False, compile_loss=False), \
+        plan.replace(compiled=(), compiled_loss=False, tensor_parallel=eager_tp)
 
 
 def _tp_label(plan: Plan, world: int) -> str:
@@ -279,14 +283,8 @@ def run_fake(request: FakeWorldRequest) -> int:
         tr = load_trace(model, full=request.full_trace, precision=options.precision)
     plan = stamped(plan, tr, world, options)
     check_model_runs_ep(model, plan)
-    if tr.compiled or plan.compiled:
+    if tr.compiled or plan.compiled or model.compile_loss:
         model, plan = _eager(model, plan, len(plan.compiled or tr.compiled))
-        tr = load_trace(model, full=request.full_trace, precision=options.precision)
-    if model.compile_loss:  # (the fake ranks run the loss as the model does: eager)
-        render.note("the fake ranks run the compiled loss eager (torch.compile's kernels cannot run on fake "
-                    "tensors): the peak is compared with the eager loss's prediction (what the compiled loss "
-                    "holds is checked against inductor's own allocations in the tests)")
-        model = dataclasses.replace(model, compile_loss=False)
         tr = load_trace(model, full=request.full_trace, precision=options.precision)
     if (slow := slow_note(len(tr.params), world)) is not None:
         render.note(slow)

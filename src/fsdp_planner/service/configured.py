@@ -356,6 +356,16 @@ def _micro_batches(m: _Merge, world: int) -> None:
         m.given("gradient_sync", GradientSync.EVERY.value, key)
 
 
+def _compiled(m: _Merge) -> None:
+    """The config's compiled blocks and loss; a torchtitan job compiling neither contradicts the options."""
+    cfg = m.cfg
+    for key, compiled in (("compile", cfg.compile), ("compile_loss", cfg.compile_loss)):
+        if compiled:
+            m.given(key, True, cfg.key(key), default=False)
+        elif cfg.kind == TORCHTITAN:
+            m.agrees(key, False, cfg.key(key), default=False)
+
+
 def _policy(m: _Merge, command: str, plan_file: bool) -> None:
     cfg, policy = m.cfg, m.values["policy"]
     if plan_file:
@@ -384,14 +394,7 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         m.given("ac", cfg.ac.value, cfg.key("ac"))
     elif cfg.ac is ACMode.NONE:
         m.agrees("ac", ACMode.NONE.value, cfg.key("ac"))
-    if cfg.compile:
-        m.given("compile", True, cfg.key("compile"), default=False)
-    elif cfg.kind == TORCHTITAN:
-        m.agrees("compile", False, cfg.key("compile"), default=False)
-    if cfg.compile_loss:
-        m.given("compile_loss", True, cfg.key("compile_loss"), default=False)
-    elif cfg.kind == TORCHTITAN:
-        m.agrees("compile_loss", False, cfg.key("compile_loss"), default=False)
+    _compiled(m)
     if cfg.float8:
         m.given("float8", cfg.float8, "the float8 converter's recipe_name")
         if cfg.float8 == "tensorwise":  # (rowwise gathers bf16 whatever the key says: nothing to give)

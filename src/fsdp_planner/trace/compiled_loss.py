@@ -184,62 +184,78 @@ def _outputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in tree_flatten(_output(gm).args)[0] if isinstance(n, torch.fx.Node)]
 
 
-def _peak(gm: torch.fx.GraphModule, held: set[torch.fx.Node], donated: set[torch.fx.Node] = frozenset(),
-          outside: set[StorageWeakRef] = frozenset()) -> int:
-    """The most bytes alive at once while ``gm`` runs: its inputs, ``held`` to the end and the others until the
-    last kernel that reads them has run, and the tensors its kernels write to memory (module docstring), each
-    from its kernel until the last kernel that reads it has run, its outputs to the end. A kernel is an extern op,
-    or a fused region (memory-bound ops joined by their edges, as ``compiled.fused_bytes`` joins them), which runs
-    where its last op is: what it reads and what it writes are alive together, but for inductor's in-place reuse
-    (``config.inplace_buffers``): a tensor it writes takes the buffer of one it reads for the last time there, of
-    the same dtype and bytes, where that buffer is inductor's own (made in the graph, or ``donated``: the backward's
-    saved activations, which AOTAutograd donates to it) rather than its caller's. Inputs of the ``outside``
-    storages (what the loss closes over: labels, a weight) are counted where they live, not here."""
-    nodes = list(gm.graph.nodes)
-    kind = {n: node_kind(n) for n in nodes}
-    parent = {n: n for n in nodes if kind[n] == "fused"}
+class _Kernels:
+    """A partitioned graph as inductor runs it: library kernels (extern ops) and fused regions (memory-bound ops
+    joined by their edges, as ``compiled.fused_bytes`` joins them), each region's kernel running where its last op
+    is; and the tensors those kernels write to memory (a library kernel's, a region's that something outside it
+    reads, the graph's outputs)."""
 
-    def find(n: torch.fx.Node) -> torch.fx.Node:
-        while parent[n] is not n:
-            n = parent[n]
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.nodes = list(gm.graph.nodes)
+        self.kind = {n: node_kind(n) for n in self.nodes}
+        self._parent = {n: n for n in self.nodes if self.kind[n] == "fused"}
+        for n in self._parent:
+            for i in n.all_input_nodes:
+                if self.kind[self.root(i)] == "fused":
+                    self._parent[self._find(self.root(i))] = self._find(n)
+        position = {n: i for i, n in enumerate(self.nodes)}
+        self._runs: dict[torch.fx.Node, int] = {}
+        for n in self._parent:
+            self._runs[self._find(n)] = max(self._runs.get(self._find(n), 0), position[n])
+        self._position = position
+        self.outputs = {self.root(n) for n in _outputs(gm)}
+        self.written = {n for n in self.nodes if self.kind[n] == "extern"
+                        or (self.kind[n] != "placeholder" and n in self.outputs)
+                        or (self.kind[n] == "fused" and any(self.kind[u] != "fused" or self._find(u) is not
+                                                            self._find(n) for u in self.readers(n)))}
+
+    def _find(self, n: torch.fx.Node) -> torch.fx.Node:
+        while self._parent[n] is not n:
+            n = self._parent[n]
         return n
 
-    def root(n: torch.fx.Node) -> torch.fx.Node:  # the node whose storage a view is
-        while kind[n] == "view" and n.all_input_nodes:
+    def root(self, n: torch.fx.Node) -> torch.fx.Node:
+        """The node whose storage ``n`` is (through views)."""
+        while self.kind[n] == "view" and n.all_input_nodes:
             n = n.all_input_nodes[0]
         return n
 
-    def readers(n: torch.fx.Node) -> list[torch.fx.Node]:  # through views
+    def readers(self, n: torch.fx.Node) -> list[torch.fx.Node]:
+        """The ops that read ``n``, through views."""
         out: list[torch.fx.Node] = []
         for u in n.users:
-            out.extend(readers(u) if kind[u] == "view" else [u])
+            out.extend(self.readers(u) if self.kind[u] == "view" else [u])
         return out
 
-    for n in parent:
-        for i in n.all_input_nodes:
-            if kind[root(i)] == "fused":
-                parent[find(root(i))] = find(n)
-    position = {n: i for i, n in enumerate(nodes)}
-    runs = {}  # fused region -> where its kernel runs (its last op)
-    for n in parent:
-        runs[find(n)] = max(runs.get(find(n), 0), position[n])
+    def at(self, n: torch.fx.Node) -> int:
+        """Where the kernel computing ``n`` runs."""
+        return self._runs[self._find(n)] if n in self._parent else self._position[n]
 
-    def at(n: torch.fx.Node) -> int:  # where the kernel computing ``n`` runs
-        return runs[find(n)] if n in parent else position[n]
+    def last_read(self, n: torch.fx.Node) -> int:
+        return max((self.at(u) for u in self.readers(n)), default=self.at(n))
 
-    outputs = {root(n) for n in _outputs(gm)}
-    written = {n for n in nodes if kind[n] == "extern" or (kind[n] != "placeholder" and n in outputs)
-               or (kind[n] == "fused" and any(kind[u] != "fused" or find(u) is not find(n) for u in readers(n)))}
-    inputs = {n for n in nodes if kind[n] == "placeholder" and not set(_storages([n])) & outside}
+
+def _peak(gm: torch.fx.GraphModule, held: set[torch.fx.Node], donated: set[torch.fx.Node] = frozenset(),
+          outside: set[StorageWeakRef] = frozenset()) -> int:
+    """The most bytes alive at once while ``gm`` runs: its inputs, ``held`` to the end and the others until the
+    last kernel that reads them has run, and the tensors its kernels write (``_Kernels``), each from its kernel
+    until the last kernel that reads it has run, its outputs to the end (what a kernel reads and writes are alive
+    together); but for inductor's in-place reuse (``config.inplace_buffers``): a tensor a kernel writes takes the
+    buffer of one it reads for the last time there, of the same dtype and bytes, where that buffer is inductor's
+    own (made in the graph, or ``donated``: the backward's saved activations, which AOTAutograd donates to it)
+    rather than its caller's. Inputs of the ``outside`` storages (what the loss closes over: labels, a weight) are
+    counted where they live, not here."""
+    k = _Kernels(gm)
+    inputs = {n for n in k.nodes if k.kind[n] == "placeholder" and not set(_storages([n])) & outside}
     made: dict[int, list[torch.fx.Node]] = {}
     freed: dict[int, list[torch.fx.Node]] = {}
-    for n in written | inputs:
-        made.setdefault(0 if n in inputs else at(n), []).append(n)
-        if n not in outputs and n not in held:
-            freed.setdefault(max((at(u) for u in readers(n)), default=at(n)), []).append(n)
-    own = (written - outputs - held) | (set(donated) - held)
+    for n in k.written | inputs:
+        made.setdefault(0 if n in inputs else k.at(n), []).append(n)
+        if n not in k.outputs and n not in held:
+            freed.setdefault(k.last_read(n), []).append(n)
+    own = (k.written - k.outputs - held) | (set(donated) - held)
     live = peak = 0
-    for i in range(len(nodes)):
+    for i in range(len(k.nodes)):
         dying = [n for n in freed.get(i, ()) if n in own and i > 0]
         reused: set[torch.fx.Node] = set()
         for n in made.get(i, ()):
