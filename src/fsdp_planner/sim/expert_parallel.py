@@ -43,7 +43,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.hardware.all_to_all import all_to_all_cost
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.sim.recompute import CheckpointedCall
+from fsdp_planner.sim.recompute import CheckpointedCall, made_in_view
 from fsdp_planner.sim.tensor_parallel import collective_runs, node_cluster
 from fsdp_planner.trace.events import KERNEL_EP_ALL_TO_ALL, Event, EventKind, OpClass
 from fsdp_planner.trace.infos import ParamInfo
@@ -164,17 +164,23 @@ def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[
     before = _forward_at(trace, names)
     out: list[Event] = []
     where: list[int] = []
+    added: list[tuple[int, str]] = []  # the forward ops put in: (position, module), for ``made_in_view``
     for i, e in enumerate(trace.events):
-        if e.is_op and skew != 1.0 and any(is_within(e.module, m) for m in names):
+        skewed = e.is_op and skew != 1.0 and any(is_within(e.module, m) for m in names)
+        if skewed:
             e = e._replace(flops=int(e.flops * skew), nbytes=int(e.nbytes * skew), saved=int(e.saved * skew),
                            freed=int(e.freed * skew),
                            out_nbytes=int(e.out_nbytes * skew), grad_live=int(e.grad_live * skew))
         for module, call, combine in before.get(i, ()):
             nbytes = sizes.get((module, call), 0)
             # the busiest rank receives ``skew`` times its rows in the dispatch, its own rows back in the combine
+            added.append((len(out), module))
             out.append(_a2a(module, nbytes, False, nbytes if combine else int(nbytes * skew)))
             if combine and split > 1:
+                added.append((len(out), module))
                 out.append(Event(EventKind.OP, module, nbytes=split * nbytes, out_nbytes=split * nbytes))
+        if e.made_at:  # its makers where they went (``Event.made_at``)
+            e = e._replace(made_at=made_in_view(e.made_at, trace, where, added, skew if skewed else 1.0))
         if e.module not in names or e.is_op or not e.backward:
             where.append(len(out))
             out.append(e)

@@ -84,7 +84,7 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import collective_cost
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.float8 import TP_AMAX_BYTES, converted_linears
-from fsdp_planner.sim.recompute import CheckpointedCall
+from fsdp_planner.sim.recompute import CheckpointedCall, made_in_view
 from fsdp_planner.trace.events import (
     ATTENTION_KERNELS,
     KERNEL_OTHER,
@@ -529,12 +529,13 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
     saved_whole, float8_saved = _saved_whole(trace, lay, outside), _float8_saved(trace, lay)
     split_saved, (mask_live, mask_freed) = _split_saved(trace, lay), _mask_bytes(trace, lay)
     t, out, where = lay.t, [], []
+    added: list[tuple[int, str]] = []  # the forward ops put in: (position, module), for ``made_in_view``
     packed = _packed_shares(trace, lay)
     for i, e in enumerate(trace.events):
         before, after = _collectives(e, lay, sizes, trace)
         before = [x for c in before for x in _with_relayout(c, trace, lay, i, False)]
         after = [x for c in after for x in _with_relayout(c, trace, lay, i, True)]
-        out.extend(before)
+        _put_in(out, before, added)
         where.append(len(out))
         if e.is_op:
             s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else _op_scale(lay, e.module, i in outside)
@@ -550,6 +551,7 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
                            + mask_freed.get(i, 0))  # call's own ops saved, at their scale)
             if e.resaved:  # the first save's position in this view, and its bytes at this rank's share
                 e = e._replace(resaved=tuple((where[first], k, int(nbytes * kept)) for first, k, nbytes in e.resaved))
+            e = e._replace(made_at=made_in_view(e.made_at, trace, where, added, kept))  # (likewise its makers')
             if i in packed:
                 e = _packed_op(e, packed[i], t)
             if loss[i] and lay.tp.loss_parallel:
@@ -558,10 +560,18 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
                 after, loss_ars = loss_ars, []
         elif e.kind is EventKind.FWD_PRE:
             scale = _op_scale(lay, parent_of(e.module), i in outside) if e.module != ROOT else 1.0
-            e = e._replace(inputs_nbytes=int(e.inputs_nbytes * scale), kept_inputs=int(e.kept_inputs * scale))
+            e = e._replace(inputs_nbytes=int(e.inputs_nbytes * scale), kept_inputs=int(e.kept_inputs * scale),
+                           made_at=made_in_view(e.made_at, trace, where, added, scale))
         out.append(e)
-        out.extend(after)
+        _put_in(out, after, added)
     return out, where
+
+
+def _put_in(out: list[Event], ops: list[Event], added: list[tuple[int, str]]) -> None:
+    """TP's ``ops`` put in the view after ``out``'s events, the forward ones noted in ``added`` (their positions and
+    modules: ``recompute.made_in_view``)."""
+    added += [(len(out) + k, x.module) for k, x in enumerate(ops) if not x.backward]
+    out.extend(ops)
 
 
 def _mask_bytes(trace: Trace, lay: _Layout) -> tuple[dict[int, int], dict[int, int]]:
@@ -614,7 +624,8 @@ def _packed_shares(trace: Trace, lay: _Layout) -> dict[int, bool]:
 def _packed_op(e: Event, boundary: bool, t: int) -> Event:
     """A packed experts' op on one TP rank (``_packed_shares``)."""
     s = 1.0 / t
-    e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s), freed=int(e.freed * s))
+    e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s), freed=int(e.freed * s),
+                   made_at=tuple((maker, int(nbytes * s)) for maker, nbytes in e.made_at))
     if boundary:
         return e
     return e._replace(out_nbytes=int(e.out_nbytes * s), live=int(e.live * s), grad_live=int(e.grad_live * s))

@@ -97,7 +97,8 @@ class Event(NamedTuple):
     inputs_nbytes: int = 0  # FWD_PRE: bytes of the call's tensor inputs first seen here (what a checkpoint of
     # the call keeps alive instead of its activations); params, buffers and storages an earlier call took are 0
     kept_inputs: int = 0  # FWD_PRE: bytes of the call's tensor inputs a checkpoint of it keeps alive: as
-    # ``inputs_nbytes``, and those a paramless call or a running ancestor took first (``StepRecorder.call_inputs``)
+    # ``inputs_nbytes``, and those a paramless call or a running ancestor took first (``StepRecorder.call_inputs``);
+    # not the batch, which ``Trace.inputs_nbytes`` holds all step
     op_class: OpClass = OpClass.OTHER  # forward op (and the loss's backward ops): what a selective checkpointing
     # policy sees (``OpClass``)
     out_nbytes: int = 0  # forward op (and the loss's backward ops): bytes of its outputs' storages (what such a
@@ -130,6 +131,11 @@ class Event(NamedTuple):
     # packing its inputs) saves again: a checkpointed
     # call's output a pooling op or the next layer outside it saves, which the call's recomputation does not
     # re-create in its place (``sim/recompute.resave_deltas``)
+    made_at: tuple[tuple[int, int], ...] = ()  # FWD_PRE: (position of the forward op that made it, bytes) of each of
+    # the call's kept inputs (``kept_inputs``) an op of a class an op-level policy can keep (``OpClass`` other than
+    # OTHER) made; forward op: the same of each storage it saves first that a call running took as its input (the
+    # next module's save of a block's output). Where a checkpointed call keeps that op, SAC's cache holds the storage
+    # from it: one storage, not a second beside the cache (``sim/recompute.shared_deltas``)
 
     @property
     def is_op(self) -> bool:

@@ -82,14 +82,15 @@ class ModuleHooks:
         recorder = self.slot.recorder
         flat = not kwargs and all(isinstance(a, ATOMS) for a in args)  # the common case, without a traversal
         leaves = args if flat else flat_leaves(args, kwargs)
-        held, kept = recorder.call_inputs(fqn, [a for a in leaves if isinstance(a, torch.Tensor)], fqn in self.holders)
+        held, kept, made = recorder.call_inputs(fqn, [a for a in leaves if isinstance(a, torch.Tensor)],
+                                                fqn in self.holders)
         if not torch.is_grad_enabled():
             inputs: tuple[torch.Tensor, ...] = ()
         elif flat:
             inputs = tuple(a for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
         else:
             inputs = collect_grad_tensors((args, kwargs))
-        call = recorder.enter_forward(fqn, bool(inputs), held, kept)
+        call = recorder.enter_forward(fqn, bool(inputs), held, kept, made)
         if not inputs:
             self.watched.append(None)
         else:

@@ -270,6 +270,8 @@ class OpRecorder(TorchDispatchMode):
         cls = forward_class(func, args, self.router)
         if cls is OpClass.ATTENTION_MASK:
             recorder.mask_made(flat_out)
+        if cls is not OpClass.OTHER:  # one an op-level policy can keep (``Event.made_at``)
+            recorder.made_by_keepable(flat_out)
         params, flops, nbytes, live = counted
         recorder.op(params, flops, nbytes, live, cls, outputs_nbytes(flat_out), kernel)
 

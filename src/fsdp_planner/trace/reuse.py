@@ -139,6 +139,9 @@ class Template:
     # them counts no new bytes (``StepRecorder.call_inputs``); and whether a param-holding inner call took it (a
     # later call's checkpoint keeps it otherwise)
     counted: list[tuple[int, bool]] = field(default_factory=list)
+    # outputs an op a policy can keep made: (output leaf, that op's place among its forward ops), the storage's
+    # maker in the step from its replay on (``StepRecorder.makers``)
+    made_outputs: list[tuple[int, int]] = field(default_factory=list)
     # what the call told the data-dependent ops' stand-in (routing.py): (op, relative module) it stood in for,
     # and the routing it left (its experts, per-expert rows), which a later call's stand-in reads
     routed: list[tuple[str, str, int]] = field(default_factory=list)  # (op, relative module, times)
@@ -162,6 +165,7 @@ class ActionLog(StepRecorder):
         self.inner_outputs: list[tuple[weakref.ref, Call]] = []
         self.hooked: list[Call] = []  # the inner calls that hooked the call's own output, in hook order
         self.last_exit: Call = ("", 0)
+        self.forward_ops = 0  # forward ops logged: a maker's place among them (``maker``)
 
     def current_module(self) -> str:
         """The innermost module call running inside this one, else this one's module: where a failing op ran."""
@@ -175,11 +179,14 @@ class ActionLog(StepRecorder):
     def _log(self, action: tuple) -> None:
         (self.template.backward if self.backward else self.template.forward).append(action)
 
-    def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0, kept_inputs: int = 0) -> int:
+    def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0, kept_inputs: int = 0,
+                      made_at: tuple = ()) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
-        # (the inputs its checkpoint keeps: storages, turned into sources a replay finds, ``_classify_saves``)
-        self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes, kept_inputs, tuple(self.kept_next)))
+        # (the inputs its checkpoint keeps: storages, turned into sources a replay finds, ``_classify_saves``; and
+        # its ``Event.made_at``, every kept input of the call's own among them: the step's batch is none, ``replay``)
+        self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes, kept_inputs, tuple(self.kept_next),
+                   made_at))
         self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
         self.opened()
         if grad_inputs:
@@ -254,9 +261,15 @@ class ActionLog(StepRecorder):
         self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, live, workspace, grad_live, ()))
         if not self.backward:
             self.frame.op_done()
+            self.forward_ops += 1
         self.last_op = len(self.template.backward) - 1 if self.backward else -1
         self.last_op_module = self.current_module()
         self.new_inputs.clear()
+
+    def maker(self) -> Any:
+        """A maker by its place among the call's forward ops (``_replay_actions`` finds its position); the call's own
+        inputs are ``("input", i)`` (``BlockReuse._record``)."""
+        return ("op", self.forward_ops)
 
     def pack(self) -> None:
         if not self.backward:
@@ -280,11 +293,12 @@ class ActionLog(StepRecorder):
         if self.backward or ref in self.static_storages:
             return
         if ref in self.first_saves:  # saved again: replayed as a save of the same storage (``Event.resaved``)
-            self.saved.append((len(self.template.forward), ref, nbytes, mask or ref in self.mask_storages))
+            self.saved.append((len(self.template.forward), ref, nbytes, mask or ref in self.mask_storages, ()))
             return
         self.first_saves[ref] = (len(self.template.forward), 0)  # (where, in the template: unread)
         self.first_saved(ref, nbytes, tracked)
-        self.saved.append((len(self.template.forward), ref, nbytes, mask or ref in self.mask_storages))
+        self.saved.append((len(self.template.forward), ref, nbytes, mask or ref in self.mask_storages,
+                           self.made_at(ref, nbytes)))
         self.watch_saved(storage, nbytes)
         unsaved = self.unsaved(ref)  # as ``StepRecorder.save``: the saving op counted it alive
         last = next((i for i in range(len(self.template.forward) - 1, -1, -1)
@@ -532,6 +546,8 @@ class BlockReuse:
             # the call's own inputs are counted by its pre-forward (in the step's recorder), not by inner calls
             # (taken by the call itself, which runs through its inner calls: theirs to keep, ``call_inputs``)
             log.input_storages.update(dict.fromkeys(StorageWeakRef(t.untyped_storage()) for t in clones.values()))
+            # (and their makers are the step's, found by the replay: ``Event.made_at``)
+            log.makers.update({StorageWeakRef(t.untyped_storage()): ("input", i) for i, t in clones.items()})
             iso = list(leaves)
             for i, t in clones.items():
                 iso[i] = t
@@ -593,6 +609,9 @@ class BlockReuse:
                 fresh = ref in produced and ref not in seen and t._base is None
                 if ref in log.input_storages:
                     log.template.counted.append((j, log.input_storages[ref] is not None))
+                maker = log.makers.get(ref)
+                if maker is not None and maker[0] == "op":
+                    log.template.made_outputs.append((j, maker[1]))
                 meta = _Input.of(t)
                 if not fresh or meta.storage_nbytes != t.numel() * t.element_size():
                     log.template.reusable = False
@@ -617,7 +636,7 @@ class BlockReuse:
         buffers = {StorageWeakRef(b.untyped_storage()): n for n, b in r.buffers.items()}
         internal: dict[StorageWeakRef, int] = {}  # a storage made inside -> its first save's (saved again after)
         sources: dict[StorageWeakRef, tuple] = {}
-        for n, (pos, ref, nbytes, mask) in enumerate(log.saved):
+        for n, (pos, ref, nbytes, mask, made) in enumerate(log.saved):
             if ref in inputs:
                 source: tuple = ("input", inputs[ref])
             elif ref in outputs:
@@ -629,10 +648,10 @@ class BlockReuse:
             else:
                 log.template.reusable = False  # saves a tensor from outside the call
                 return
-            log.template.forward.insert(pos + n, ("save", source, nbytes, mask))
+            log.template.forward.insert(pos + n, ("save", source, nbytes, mask, made))
             sources[ref] = source
-        log.template.forward = [(*a[:5], tuple(sources[r] for r in a[5] if r in sources)) if a[0] == "fwd_pre" else a
-                                for a in log.template.forward]
+        log.template.forward = [(*a[:5], tuple(sources[r] for r in a[5] if r in sources), *a[6:])
+                                if a[0] == "fwd_pre" else a for a in log.template.forward]
 
     def _record_backward(self, log: ActionLog, held: list[Any]) -> None:
         """The call's backward from its outputs, the outputs themselves (``held``'s one item) let go: a saved
@@ -709,7 +728,9 @@ class BlockReuse:
                             if isinstance(t, torch.Tensor)})
             _counted_outputs(main, template, sources)
             sources.update({("buffer", n): StorageWeakRef(b.untyped_storage()) for n, b in r.buffers.items()})
-            _replay_actions(main, template.forward, prefix, params, sources)
+            positions: list[int] = []  # where its forward ops went (``Event.made_at``)
+            _replay_actions(main, template.forward, prefix, params, sources, positions=positions)
+            _made_outputs(main, template, sources, positions)
             if ("pack",) in template.forward:  # its ops ran in the recording: their frame at its last pack
                 main.frame.replayed(template.held, template.rise)
             main.frame.replayed_height(template.excess)
@@ -768,6 +789,14 @@ def _counted_outputs(main: StepRecorder, template: Template, sources: dict[tuple
         main.input_storages[sources["output", j]] = REPLAYED if taken else None
 
 
+def _made_outputs(main: StepRecorder, template: Template, sources: dict[tuple, StorageWeakRef],
+                  positions: list[int]) -> None:
+    """The replayed call's outputs an op a policy can keep made: that op, where the replay put it, is their maker in
+    the step (``StepRecorder.makers``), as it is where the call is traced."""
+    for j, k in template.made_outputs:
+        main.makers.setdefault(sources["output", j], positions[k])
+
+
 def _added(used: dict[tuple[str, str], int], routed: list[tuple[str, str, int]], fqn: str
            ) -> dict[tuple[str, str], int]:
     """``used`` (the stand-in's count per op and module) after a call of ``fqn`` that stood in for ``routed``."""
@@ -800,14 +829,18 @@ def _compile_ops(template: Template, r: _Repeated) -> None:
 
 
 def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, params: list[int],
-                    sources: dict[tuple, StorageWeakRef], outside: tuple[int, int, int] = (0, 0, 0)) -> None:
+                    sources: dict[tuple, StorageWeakRef], outside: tuple[int, int, int] = (0, 0, 0),
+                    positions: list[int] | None = None) -> None:
     """Feeds a template's actions into the step's recorder; ``outside``: the gradients alive outside a replayed
-    backward (``_outside``), added to each op's that counts gradients (``Event.grad_live``: one that allocates)."""
+    backward (``_outside``), added to each op's that counts gradients (``Event.grad_live``: one that allocates);
+    ``positions``: a forward's, filled with where each op went (a maker's position, ``Event.made_at``)."""
     before, after, until = outside
     done = 0  # ops replayed so far
+    positions = [] if positions is None else positions
     for action in actions:
         kind = action[0]
         if kind == "ops":
+            positions.extend(range(len(main.events), len(main.events) + len(action[1])))
             inner = main.innermost_backward()
             main.ops([(tuple([params[i] for i in slots]), *rest,
                        grad_live + (before if j < until else after) if grad_live else 0,
@@ -815,8 +848,12 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
                       in enumerate(action[1], done)])
             done += len(action[1])
         elif kind == "fwd_pre":
-            main.kept_next = dict.fromkeys((_source_ref(sources, s) for s in action[5]), 0)
-            main.enter_forward(prefix + action[1], action[2], action[3], action[4])
+            kept = dict.fromkeys((_source_ref(sources, s) for s in action[5]), 0)
+            # the step's batch among the call's own inputs: no kept input (``StepRecorder.call_inputs``)
+            batch = sum(n for m, n in action[6] if m[0] == "input" and sources[m] in main.step_inputs)
+            main.kept_next = {ref: n for ref, n in kept.items() if ref not in main.step_inputs}
+            main.enter_forward(prefix + action[1], action[2], action[3], action[4] - batch,
+                               _made(main, action[6], sources, positions))
         elif kind == "fwd_post":
             main.exit_forward(prefix + action[1], replayed=action[2:4])
         elif kind == "bwd_pre":
@@ -833,7 +870,20 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             main.modified_output(tuple(prefix + f for f in action[1]))
         else:  # save
             source, nbytes, mask = action[1], action[2], action[3]
-            main.save(_source_ref(sources, source), nbytes, mask=mask)
+            main.save(_source_ref(sources, source), nbytes, mask=mask,
+                      made=_made(main, action[4], sources, positions))
+
+
+def _made(main: StepRecorder, made: tuple, sources: dict[tuple, StorageWeakRef], positions: list[int]) -> tuple:
+    """A recording's ``Event.made_at`` entries in the step: a maker among the call's forward ops at the position its
+    replay put it; one of the call's inputs by the step's maker of it, if any (the batch has none)."""
+    out = []
+    for (kind, k), nbytes in made:
+        if kind == "op":
+            out.append((positions[k], nbytes))
+        elif (maker := main.makers.get(sources[kind, k])) is not None and sources[kind, k] not in main.step_inputs:
+            out.append((maker, nbytes))
+    return tuple(out)
 
 
 def _source_ref(sources: dict[tuple, StorageWeakRef], source: tuple) -> StorageWeakRef:
