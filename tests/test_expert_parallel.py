@@ -1025,3 +1025,19 @@ def test_a_dense_model_asked_for_ep_and_tp_is_told_it_has_no_experts() -> None:
         assert r.returncode == 2 and r.stderr.strip() == (
             "error: expert parallelism needs grouped experts modules (params stacked on an expert dim, a class named "
             "...Experts); this model has none"), r.stderr
+
+
+def test_an_ep_view_keeps_where_each_storage_was_first_saved() -> None:
+    """``Event.resaved`` names the first save's position; the EP view puts all-to-alls into the events, so a
+    position kept from the whole trace named another event (the TP view's was mapped after it cost +4 GiB on
+    torchtitan's 2-D 70B row; the EP view's was not)."""
+    from fsdp_planner.sim.expert_parallel import ep_view
+
+    tr = _traced()
+    view = ep_view(tr, _ep_plan(tr, 2, checkpointing=True)).trace
+    original = [e for e in tr.events if e.resaved]
+    mapped = [e for e in view.events if e.resaved]
+    assert original and len(mapped) == len(original)
+    for before, after in zip(original, mapped, strict=True):
+        for (old, k, _), (new, k2, _) in zip(before.resaved, after.resaved, strict=True):
+            assert k == k2 and view.events[new] == tr.events[old]._replace(made_at=view.events[new].made_at)

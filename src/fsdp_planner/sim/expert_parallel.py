@@ -181,6 +181,9 @@ def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[
                 out.append(Event(EventKind.OP, module, nbytes=split * nbytes, out_nbytes=split * nbytes))
         if e.made_at:  # its makers where they went (``Event.made_at``)
             e = e._replace(made_at=made_in_view(e.made_at, trace, where, added, skew if skewed else 1.0))
+        if e.resaved:  # the first save where it went (``Event.resaved``; earlier, so mapped already)
+            e = e._replace(resaved=tuple((where[first], k, int(nbytes * (skew if skewed else 1.0)))
+                                         for first, k, nbytes in e.resaved))
         if e.module not in names or e.is_op or not e.backward:
             where.append(len(out))
             out.append(e)
