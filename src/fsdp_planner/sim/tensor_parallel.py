@@ -554,7 +554,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
             e = e._replace(made_at=made_in_view(e.made_at, trace, where, added, kept))  # (likewise its makers')
             if i in packed:
                 e = _packed_op(e, packed[i], t)
-            if loss[i] and lay.tp.loss_parallel:
+            if loss[i] and lay.tp.loss_parallel and trace.compiled_loss is None:  # (a compiled loss's graphs
+                # run in the handlers' place: its live bytes are its kernels' already)
                 e = e._replace(live=e.live + _handler_extra(e))
             if loss[i] and not e.backward and loss_ars:
                 after, loss_ars = loss_ars, []
