@@ -1041,3 +1041,19 @@ def test_an_ep_view_keeps_where_each_storage_was_first_saved() -> None:
     for before, after in zip(original, mapped, strict=True):
         for (old, k, _), (new, k2, _) in zip(before.resaved, after.resaved, strict=True):
             assert k == k2 and view.events[new] == tr.events[old]._replace(made_at=view.events[new].made_at)
+
+
+def test_an_ep_view_moves_the_loss_region_s_storages_with_its_events() -> None:
+    """The allocator replays the loss region's storages (``Trace.loss_blocks``) at their events; the EP view put its
+    all-to-alls in before the loss and kept the whole trace's positions, so no storage was freed in the region and
+    its packing slack fell (hf:titan-qwen3-debugmodel-moe under EP 2: 336 -> 67 MB; a review's finding)."""
+    from fsdp_planner.sim.expert_parallel import ep_view
+
+    tr = _traced()
+    view = ep_view(tr, _ep_plan(tr, 2)).trace
+    assert tr.loss_blocks and len(view.loss_blocks) == len(tr.loss_blocks)
+    for (made, freed, n), (made2, freed2, n2) in zip(tr.loss_blocks, view.loss_blocks, strict=True):
+        assert n2 == n and view.events[made2] == tr.events[made]._replace(made_at=view.events[made2].made_at)
+        assert (freed2 < 0) == (freed < 0) and (freed2 == len(view.events)) == (freed == len(tr.events))
+        if 0 <= freed < len(tr.events):
+            assert view.events[freed2] == tr.events[freed]._replace(made_at=view.events[freed2].made_at)

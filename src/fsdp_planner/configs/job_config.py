@@ -305,7 +305,9 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     elif compile_on:  # torchtitan compiles each transformer block (fullgraph): --compile
         key = "compile.enable" if "enable" in _table(cfg, data, "compile") else "training.compile"
         cfg.compile = cfg.keys[key] = _bool(cfg, key, compile_on)
-    if compile_on and isinstance(components, list) and "loss" in components:  # the loss compiled: --compile-loss
+    # the loss compiled (--compile-loss): compile.components, whose default holds it; the older training.compile
+    # compiled the model alone
+    if _table(cfg, data, "compile").get("enable") and isinstance(components, list) and "loss" in components:
         cfg.compile_loss = True
     _check_async_tp(cfg, _table(cfg, data, "compile"))
     _titan_float8(cfg, data)

@@ -64,6 +64,10 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
         note(f"--compile traced every repeated block compiled ({len(tr.compiled)} modules) and the plan compiles "
              f"{len(plan.compiled)}{' of them' if set(plan.compiled) < set(tr.compiled) else ''}: these figures are "
              "of every block compiled, not of the plan's job")
+    if plan.compiled_loss != (tr.compiled_loss is not None):
+        note("the plan compiles the loss and this command traced it eager: add --compile-loss for the figures it was "
+             "planned with" if plan.compiled_loss else "--compile-loss traced the loss compiled and the plan runs it "
+             "eager: these figures are of the compiled loss, not of the plan's job")
     return plan
 
 

@@ -24,9 +24,9 @@ from fsdp_planner.service import tp_numerics
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.compiled import alike_blocks
-from fsdp_planner.trace.compiled_loss import LossInputs, capturing, compiled_loss, with_compiled_loss
+from fsdp_planner.trace.compiled_loss import LossInputs, capturing, with_compiled_loss
 from fsdp_planner.trace.failures import LOSS, failed_at
-from fsdp_planner.trace.recorder import default_loss, record, record_compiled
+from fsdp_planner.trace.recorder import default_loss, record, record_compiled, record_compiled_loss
 from fsdp_planner.trace.records import Trace
 
 
@@ -61,17 +61,22 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
         if line:
             note(line)
     if spec.compile_loss:
-        tr = _with_compiled_loss(tr, lm, spec, loss_inputs)
+        tr = _with_compiled_loss(tr, lm, spec, loss_inputs, precision or SimOptions().precision, note)
     return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
 
 
-def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[LossInputs]) -> Trace:
+def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[LossInputs], precision: Precision,
+                        note: Callable[[str], None]) -> Trace:
     """The step with its loss compiled (``--compile-loss``, ``trace/compiled_loss.py``), measured on what the
-    traced step gave the loss."""
-    if not given:  # (the loss_fn never ran: tracing would have failed first)
+    traced step gave the loss; a model whose forward computes its loss (a loss region of no op) as it was."""
+    region = tr.index.loss_region
+    if not given or not any(inside and not e.backward for e, inside in zip(tr.events, region, strict=True)):
+        note(f"--compile-loss: '{spec}' computes its loss in its forward (nothing runs between its output and its "
+             "loss): the loss is traced as the forward runs it, eager")
         return tr
     try:
-        loss = compiled_loss(lm.loss_fn or default_loss, given[0])
+        loss = record_compiled_loss(lm.model, lm.loss_fn or default_loss, given[0], precision.trace_dtype,
+                                    tr.full_precision)
     except PlannerError:
         raise
     except Exception as e:

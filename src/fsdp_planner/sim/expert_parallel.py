@@ -43,7 +43,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.hardware.all_to_all import all_to_all_cost
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.sim.recompute import CheckpointedCall, made_in_view
+from fsdp_planner.sim.recompute import CheckpointedCall, made_in_view, view_position
 from fsdp_planner.sim.tensor_parallel import collective_runs, node_cluster
 from fsdp_planner.trace.events import KERNEL_EP_ALL_TO_ALL, Event, EventKind, OpClass
 from fsdp_planner.trace.infos import ParamInfo
@@ -80,7 +80,10 @@ def ep_view(trace: Trace, plan: Plan) -> EPView:
     events, where = _rank_events(trace, experts, ep.skew, set(chosen), split)
     view = replace(trace, params=tuple(params), events=tuple(events), op_seconds=None,
                    modules=_moved_modules(trace, where), expert_parallel=ep.signature(), expert_params=chosen,
-                   fingerprint=f"{trace.fingerprint}/ep{ep.degree}")
+                   fingerprint=f"{trace.fingerprint}/ep{ep.degree}",
+                   # the loss region's storages where their events went (the allocator's replay of the loss)
+                   loss_blocks=tuple((where[made], view_position(where, freed, len(events)), n)
+                                     for made, freed, n in trace.loss_blocks))
     return EPView(view, ep)
 
 

@@ -336,6 +336,14 @@ def shared(deltas: np.ndarray, made_at: Iterable[tuple[int, int]], releases: dic
             deltas[end] += nbytes * scale
 
 
+def view_position(where: Sequence[int], position: int, events: int) -> int:
+    """Where a position of the whole trace is in a rank's view (``where``: old -> new of each event, ``events``
+    the view's): -1 stays -1 (never), the end stays the end."""
+    if position < 0:
+        return position
+    return where[position] if position < len(where) else events
+
+
 def made_in_view(made_at: Iterable[tuple[int, int]], trace: Trace, where: Sequence[int],
                  added: Sequence[tuple[int, str]], share: float) -> tuple[tuple[int, int], ...]:
     """``Event.made_at`` in a rank's view of the trace (``sim/tensor_parallel.py``, ``sim/expert_parallel.py``): each

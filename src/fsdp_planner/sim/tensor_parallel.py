@@ -84,7 +84,7 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import collective_cost
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.float8 import TP_AMAX_BYTES, converted_linears
-from fsdp_planner.sim.recompute import CheckpointedCall, made_in_view
+from fsdp_planner.sim.recompute import CheckpointedCall, made_in_view, view_position
 from fsdp_planner.trace.events import (
     ATTENTION_KERNELS,
     KERNEL_OTHER,
@@ -324,7 +324,7 @@ def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster, float8: Float8 |
                        if p.requires_grad and param_style(p, lay.styles) in _EMBEDDING)
     view = replace(trace, params=params, events=tuple(events), op_seconds=None,
                    modules=_modules(trace.modules, events, where),
-                   loss_blocks=_loss_blocks(trace, lay, where), tensor_parallel=tp.signature(),
+                   loss_blocks=_loss_blocks(trace, lay, where, len(events)), tensor_parallel=tp.signature(),
                    replicated_grads=replicated, float8_tp=lay.float8,
                    fingerprint=f"{trace.fingerprint}/tp{tp.degree}" + ("f8" if lay.float8 else ""))
     view = view.with_compiled(_local_compiled(trace, view))
@@ -781,10 +781,10 @@ def _modules(modules: dict[str, ModuleInfo], events: Sequence[Event], where: lis
             for name, info in modules.items()}
 
 
-def _loss_blocks(trace: Trace, lay: _Layout, where: list[int]) -> tuple[tuple[int, int, int], ...]:
+def _loss_blocks(trace: Trace, lay: _Layout, where: list[int], events: int) -> tuple[tuple[int, int, int], ...]:
     """The loss region's blocks at their new positions, vocab-sharded under loss parallel."""
     s = 1.0 / lay.t if lay.tp.loss_parallel else 1.0
-    return tuple((where[made], where[freed] if 0 <= freed < len(where) else freed, int(n * s))
+    return tuple((where[made], view_position(where, freed, events), int(n * s))
                  for made, freed, n in trace.loss_blocks)
 
 

@@ -43,7 +43,7 @@ from fsdp_planner.trace.records import CompiledBlock, Trace
 from fsdp_planner.trace.reuse import static_signatures
 
 # what inductor leaves to a library kernel rather than fusing (by the op's name): matmuls, convolutions, attention
-_EXTERN = ("mm", "convolution", "attention")
+EXTERN = ("mm", "convolution", "attention")
 
 
 class _Captured(Exception):
@@ -119,26 +119,29 @@ _GRAPH_FIELDS = ("kind", "call", "flops", "nbytes", "backward", "op_class", "out
                  "grad_live", "workspace", "grad_inputs")
 
 
+def _keeping(graphs: dict[str, torch.fx.GraphModule], kind: str) -> Callable[..., Any]:
+    """A compiler for AOTAutograd that keeps the graph it is given as ``graphs[kind]`` and runs it as it is."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def compiler(gm: torch.fx.GraphModule, _inputs: list) -> Any:
+        graphs[kind] = gm
+        return make_boxed_func(gm)
+
+    return compiler
+
+
 def partitioned_graphs(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> dict[str, torch.fx.GraphModule]:
     """``fn``'s forward ("fw") and backward ("bw", absent when nothing needs a gradient) graphs as AOTAutograd
     partitions them for inductor (``min_cut_rematerialization_partition``, inductor's decompositions), traced by
     calling ``fn(*inputs)`` and a backward of every output that needs a gradient."""
-    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
     graphs: dict[str, torch.fx.GraphModule] = {}
-
-    def keep(kind: str):
-        def compiler(gm: torch.fx.GraphModule, _inputs: list) -> Any:
-            graphs[kind] = gm
-            return make_boxed_func(gm)
-
-        return compiler
-
     partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
-    run = aot_function(fn, fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=partition,
-                       decompositions=select_decomp_table())
+    run = aot_function(fn, fw_compiler=_keeping(graphs, "fw"), bw_compiler=_keeping(graphs, "bw"),
+                       partition_fn=partition, decompositions=select_decomp_table())
     out = run(*inputs)
     grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     torch.autograd.backward([t.sum() for t in grads])
@@ -203,21 +206,13 @@ def dynamo_graphs(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
     Dynamo lifts what ``fn`` reads besides its arguments (a module's state, the tensors a closure holds) as graph
     inputs. Resets dynamo's caches before and after."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
     graphs: dict[str, torch.fx.GraphModule] = {}
     lifted: dict[str, list] = {}
-
-    def keep(kind: str):
-        def compiler(gm: torch.fx.GraphModule, _inputs: list) -> Any:
-            graphs[kind] = gm
-            return make_boxed_func(gm)
-
-        return compiler
-
-    aot = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"), decompositions=select_decomp_table(),
+    aot = aot_autograd(fw_compiler=_keeping(graphs, "fw"), bw_compiler=_keeping(graphs, "bw"),
+                       decompositions=select_decomp_table(),
                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
 
     def backend(gm: torch.fx.GraphModule, inputs: list) -> Any:
@@ -243,52 +238,80 @@ def _grad_leaves(args: tuple) -> list:
     return [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def node_kind(n: torch.fx.Node) -> str:
-    """``view`` (moves nothing), ``extern`` (a library kernel), ``fused`` (a memory-bound op), or the node's op
-    (``placeholder``, ``output``)."""
+def node_kind(n: torch.fx.Node, extern: tuple[str, ...] = EXTERN) -> str:
+    """``view`` (moves nothing), ``extern`` (a kernel of its own, by the op's name: ``extern``), ``fused`` (a
+    memory-bound op), or the node's op (``placeholder``, ``output``)."""
     if n.op != "call_function":
         return n.op
     name = str(n.target).split(".")[-2 if str(n.target).count(".") > 1 else -1]
     if getattr(n.target, "is_view", False) or n.target is operator.getitem:
         return "view"
-    return "extern" if any(word in name for word in _EXTERN) else "fused"
+    return "extern" if any(word in name for word in extern) else "fused"
 
 
-def fused_bytes(gm: torch.fx.GraphModule) -> tuple[int, int]:
-    """Bytes the graph's memory-bound kernels move and the kernels it launches (module docstring)."""
-    kind = {n: node_kind(n) for n in gm.graph.nodes}
+class Kernels:
+    """A partitioned graph as inductor runs it: kernels of their own (``kind`` "extern": library kernels) and fused
+    regions (memory-bound ops joined by their edges), each region's kernel running where its last op is."""
 
-    def root(n: torch.fx.Node) -> torch.fx.Node:  # the node whose output a view's storage is
-        while kind[n] == "view" and n.all_input_nodes:
+    def __init__(self, gm: torch.fx.GraphModule, kind: Callable[[torch.fx.Node], str] = node_kind) -> None:
+        self.nodes = list(gm.graph.nodes)
+        self.kind = {n: kind(n) for n in self.nodes}
+        self._parent = {n: n for n in self.nodes if self.kind[n] == "fused"}
+        for n in self._parent:
+            for i in n.all_input_nodes:
+                if self.kind[self.root(i)] == "fused":
+                    self._parent[self.region(self.root(i))] = self.region(n)
+        self._position = {n: i for i, n in enumerate(self.nodes)}
+        self._runs: dict[torch.fx.Node, int] = {}
+        for n in self._parent:
+            self._runs[self.region(n)] = max(self._runs.get(self.region(n), 0), self._position[n])
+        out = next(n for n in self.nodes if n.op == "output")
+        self.outputs = [n for n in tree_flatten(out.args)[0] if isinstance(n, torch.fx.Node)]
+
+    @property
+    def fused(self) -> list[torch.fx.Node]:
+        return list(self._parent)
+
+    def region(self, n: torch.fx.Node) -> torch.fx.Node:
+        """The fused region of memory-bound op ``n`` (one of its ops stands for it)."""
+        while self._parent[n] is not n:
+            n = self._parent[n]
+        return n
+
+    def root(self, n: torch.fx.Node) -> torch.fx.Node:
+        """The node whose storage ``n`` is (through views)."""
+        while self.kind[n] == "view" and n.all_input_nodes:
             n = n.all_input_nodes[0]
         return n
 
-    def users(n: torch.fx.Node) -> list[torch.fx.Node]:  # its readers, through views
+    def readers(self, n: torch.fx.Node) -> list[torch.fx.Node]:
+        """The ops that read ``n``, through views."""
         out: list[torch.fx.Node] = []
         for u in n.users:
-            out.extend(users(u) if kind[u] == "view" else [u])
+            out.extend(self.readers(u) if self.kind[u] == "view" else [u])
         return out
 
-    read: set[torch.fx.Node] = set()
-    written = 0
-    parent = {n: n for n in gm.graph.nodes if kind[n] == "fused"}
+    def leaves_region(self, n: torch.fx.Node) -> bool:
+        """Whether memory-bound op ``n``'s output is read outside its region (written to memory)."""
+        return any(self.kind[u] != "fused" for u in self.readers(n))
 
-    def find(n: torch.fx.Node) -> torch.fx.Node:
-        while parent[n] is not n:
-            n = parent[n]
-        return n
+    def at(self, n: torch.fx.Node) -> int:
+        """Where the kernel computing ``n`` runs."""
+        return self._runs[self.region(n)] if n in self._parent else self._position[n]
 
-    for n in parent:
-        for i in n.all_input_nodes:
-            r = root(i)
-            if kind[r] == "fused":
-                parent[find(r)] = find(n)
-            else:
-                read.add(r)
-        if any(kind[u] != "fused" for u in users(n)):
-            written += node_nbytes(n)
+    def last_read(self, n: torch.fx.Node) -> int:
+        """Where the last kernel reading ``n`` runs (its own where nothing reads it)."""
+        return max((self.at(u) for u in self.readers(n)), default=self.at(n))
+
+
+def fused_bytes(gm: torch.fx.GraphModule, kind: Callable[[torch.fx.Node], str] = node_kind) -> tuple[int, int]:
+    """Bytes the graph's memory-bound kernels move and the kernels it launches (module docstring); ``kind`` says
+    what each node is (``node_kind``'s)."""
+    k = Kernels(gm, kind)
+    read = {k.root(i) for n in k.fused for i in n.all_input_nodes if k.kind[k.root(i)] != "fused"}
+    written = sum(node_nbytes(n) for n in k.fused if k.leaves_region(n))
     return sum(node_nbytes(r) for r in read) + written, \
-        sum(1 for k in kind.values() if k == "extern") + len({find(n) for n in parent})
+        sum(1 for kind in k.kind.values() if kind == "extern") + len({k.region(n) for n in k.fused})
 
 
 def node_nbytes(n: torch.fx.Node) -> int:

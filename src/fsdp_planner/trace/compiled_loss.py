@@ -35,7 +35,7 @@ from torch._C import DispatchKey
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from fsdp_planner.trace.compiled import dynamo_graphs, fused_bytes, node_kind, node_nbytes
+from fsdp_planner.trace.compiled import EXTERN, Kernels, dynamo_graphs, fused_bytes, node_kind, node_nbytes
 from fsdp_planner.trace.events import KERNEL_OTHER, EventKind
 from fsdp_planner.trace.records import CompiledLoss, Trace
 
@@ -119,8 +119,9 @@ def compiled_loss(loss_fn: Callable[[Any], torch.Tensor], given: LossInputs) -> 
                         saved=sum(saved.values()),
                         backward_peak=_peak(bw, held=set(), donated=_donated(bw, primals | others), outside=set(others))
                         if bw is not None else 0,
-                        grads=sum(node_nbytes(n) for n in _outputs(bw)) if bw is not None else 0,
-                        fused_nbytes=(fused_bytes(fw)[0], fused_bytes(bw)[0] if bw is not None else 0))
+                        grads=_grads(bw, [placeholders.index(n) for n in mine]) if bw is not None else 0,
+                        fused_nbytes=(fused_bytes(fw, loss_kind)[0],
+                                      fused_bytes(bw, loss_kind)[0] if bw is not None else 0))
 
 
 @functools.cache
@@ -166,6 +167,14 @@ def _donated(bw: torch.fx.GraphModule, callers: dict[StorageWeakRef, int]) -> se
             and not set(_storages([n])) & set(callers)}
 
 
+def _grads(bw: torch.fx.GraphModule, positions: list[int]) -> int:
+    """Bytes of the gradients the backward returns for the forward's inputs at ``positions`` (the model's outputs;
+    a parameter the loss reads gets its gradient where FSDP2 counts it)."""
+    returned = tree_flatten(_output(bw).args)[0]
+    return sum(node_nbytes(returned[i]) for i in positions
+               if i < len(returned) and isinstance(returned[i], torch.fx.Node))
+
+
 def _storages(nodes: Any) -> dict[StorageWeakRef, int]:
     """Each distinct storage of these nodes' tensors and its bytes."""
     out: dict[StorageWeakRef, int] = {}
@@ -180,80 +189,46 @@ def _output(gm: torch.fx.GraphModule) -> torch.fx.Node:
     return next(n for n in gm.graph.nodes if n.op == "output")
 
 
-def _outputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in tree_flatten(_output(gm).args)[0] if isinstance(n, torch.fx.Node)]
+# ops inductor runs as kernels of their own, writing whole buffers, besides the library kernels: a scatter (the
+# backward of a gather: a per-token log-probability's, in place into a zeros buffer), index_put, topk and sort
+# (log_softmax + gather measured 3.0x the bf16 logits on this CPU, counted 1.0x as fused: a review's finding)
+LOSS_EXTERN = (*EXTERN, "scatter", "index_put", "topk", "sort")
 
 
-class _Kernels:
-    """A partitioned graph as inductor runs it: library kernels (extern ops) and fused regions (memory-bound ops
-    joined by their edges, as ``compiled.fused_bytes`` joins them), each region's kernel running where its last op
-    is; and the tensors those kernels write to memory (a library kernel's, a region's that something outside it
-    reads, the graph's outputs)."""
-
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        self.nodes = list(gm.graph.nodes)
-        self.kind = {n: node_kind(n) for n in self.nodes}
-        self._parent = {n: n for n in self.nodes if self.kind[n] == "fused"}
-        for n in self._parent:
-            for i in n.all_input_nodes:
-                if self.kind[self.root(i)] == "fused":
-                    self._parent[self._find(self.root(i))] = self._find(n)
-        position = {n: i for i, n in enumerate(self.nodes)}
-        self._runs: dict[torch.fx.Node, int] = {}
-        for n in self._parent:
-            self._runs[self._find(n)] = max(self._runs.get(self._find(n), 0), position[n])
-        self._position = position
-        self.outputs = {self.root(n) for n in _outputs(gm)}
-        self.written = {n for n in self.nodes if self.kind[n] == "extern"
-                        or (self.kind[n] != "placeholder" and n in self.outputs)
-                        or (self.kind[n] == "fused" and any(self.kind[u] != "fused" or self._find(u) is not
-                                                            self._find(n) for u in self.readers(n)))}
-
-    def _find(self, n: torch.fx.Node) -> torch.fx.Node:
-        while self._parent[n] is not n:
-            n = self._parent[n]
-        return n
-
-    def root(self, n: torch.fx.Node) -> torch.fx.Node:
-        """The node whose storage ``n`` is (through views)."""
-        while self.kind[n] == "view" and n.all_input_nodes:
-            n = n.all_input_nodes[0]
-        return n
-
-    def readers(self, n: torch.fx.Node) -> list[torch.fx.Node]:
-        """The ops that read ``n``, through views."""
-        out: list[torch.fx.Node] = []
-        for u in n.users:
-            out.extend(self.readers(u) if self.kind[u] == "view" else [u])
-        return out
-
-    def at(self, n: torch.fx.Node) -> int:
-        """Where the kernel computing ``n`` runs."""
-        return self._runs[self._find(n)] if n in self._parent else self._position[n]
-
-    def last_read(self, n: torch.fx.Node) -> int:
-        return max((self.at(u) for u in self.readers(n)), default=self.at(n))
+def loss_kind(n: torch.fx.Node) -> str:
+    """``node_kind`` with ``LOSS_EXTERN``, but for a scalar scattered into a constant tensor (a cross-entropy's
+    backward: nll_loss's one-hot), which inductor's joint-graph pass makes a pointwise ``where``
+    (``config.optimize_scatter_upon_const_tensor``, fx_passes/joint_graph.py ``scatter_upon_const_tensor``)."""
+    kind = node_kind(n, LOSS_EXTERN)
+    if kind == "extern" and n.target is torch.ops.aten.scatter.value and isinstance(n.args[0], torch.fx.Node) \
+            and n.args[0].target is torch.ops.aten.full.default:
+        return "fused"
+    return kind
 
 
 def _peak(gm: torch.fx.GraphModule, held: set[torch.fx.Node], donated: set[torch.fx.Node] = frozenset(),
           outside: set[StorageWeakRef] = frozenset()) -> int:
     """The most bytes alive at once while ``gm`` runs: its inputs, ``held`` to the end and the others until the
-    last kernel that reads them has run, and the tensors its kernels write (``_Kernels``), each from its kernel
+    last kernel that reads them has run, and the tensors its kernels write (``compiled.Kernels``, with
+    ``LOSS_EXTERN``: a kernel's of its own, a fused region's read outside it, the graph's outputs), each from its kernel
     until the last kernel that reads it has run, its outputs to the end (what a kernel reads and writes are alive
     together); but for inductor's in-place reuse (``config.inplace_buffers``): a tensor a kernel writes takes the
     buffer of one it reads for the last time there, of the same dtype and bytes, where that buffer is inductor's
     own (made in the graph, or ``donated``: the backward's saved activations, which AOTAutograd donates to it)
     rather than its caller's. Inputs of the ``outside`` storages (what the loss closes over: labels, a weight) are
     counted where they live, not here."""
-    k = _Kernels(gm)
+    k = Kernels(gm, loss_kind)
+    outputs = {k.root(n) for n in k.outputs}
+    written = {n for n in k.nodes if k.kind[n] == "extern" or (k.kind[n] != "placeholder" and n in outputs)
+               or (k.kind[n] == "fused" and k.leaves_region(n))}
     inputs = {n for n in k.nodes if k.kind[n] == "placeholder" and not set(_storages([n])) & outside}
     made: dict[int, list[torch.fx.Node]] = {}
     freed: dict[int, list[torch.fx.Node]] = {}
-    for n in k.written | inputs:
+    for n in written | inputs:
         made.setdefault(0 if n in inputs else k.at(n), []).append(n)
-        if n not in k.outputs and n not in held:
+        if n not in outputs and n not in held:
             freed.setdefault(k.last_read(n), []).append(n)
-    own = (k.written - k.outputs - held) | (set(donated) - held)
+    own = (written - outputs - held) | (set(donated) - held)
     live = peak = 0
     for i in range(len(k.nodes)):
         dying = [n for n in freed.get(i, ()) if n in own and i > 0]

@@ -34,9 +34,10 @@ from torch.utils._pytree import tree_flatten
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.trace.compiled import compiled_blocks
+from fsdp_planner.trace.compiled_loss import LossInputs, compiled_loss
 from fsdp_planner.trace.full_precision import subtree_params
 from fsdp_planner.trace.input_casts import group_input_casts
-from fsdp_planner.trace.records import CompiledBlock, Trace
+from fsdp_planner.trace.records import CompiledBlock, CompiledLoss, Trace
 from fsdp_planner.trace.session import TraceRequest, TraceSession, step_inputs
 from fsdp_planner.trace.walk import TracedModel
 
@@ -152,6 +153,14 @@ def record_compiled(model: nn.Module, example_inputs: Any, names: list[str], com
         casts = group_input_casts({m: modules[m] for m in cast_inputs}, (), compute_dtype, [])
     with _params_cast(model, compute_dtype), casts:
         return compiled_blocks(model, *step_inputs(request), names, variants, alike)
+
+
+def record_compiled_loss(model: nn.Module, loss_fn: Callable[[Any], torch.Tensor], given: LossInputs,
+                         compute_dtype: torch.dtype | None, full_precision: tuple[str, ...] = ()) -> CompiledLoss:
+    """The loss compiled (``compiled_loss.py``) on the outputs the traced step gave it, the model's params in the
+    compute dtype as ``record`` runs them (a loss that reads a param, a tied output layer's, reads it so)."""
+    with _params_cast(model, compute_dtype, full_precision):
+        return compiled_loss(loss_fn, given)
 
 
 def default_loss(output: Any) -> torch.Tensor:
