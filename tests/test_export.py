@@ -94,6 +94,86 @@ def test_exported_apply_sets_the_plans_precision_and_forward_methods() -> None:
     assert error is not None and "DTensor" in error
 
 
+def _fsdp_params(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each FSDP module of a sharded ``model`` (by name) -> the params its group manages, as FSDP2 holds them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule) and (group := m._get_fsdp_state()._fsdp_param_group) is not None:
+            out[name] = sorted(p._param_fqn for p in group.fsdp_params)
+    return out
+
+
+def _prefetched(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each FSDP module (by name) -> the modules its forward prefetches (explicit lists)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(m._get_fsdp_state()): n for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+    return {n: [names[id(s)] for s in m._get_fsdp_state()._states_to_forward_prefetch]
+            for n, m in model.named_modules() if isinstance(m, FSDPModule)
+            and m._get_fsdp_state()._states_to_forward_prefetch}
+
+
+def _export_beside_apply_plan(spec: str, plan: Plan, fmt: ExportFormat = ExportFormat.PYTHON) -> tuple[dict, dict]:
+    """``plan`` applied to ``spec``'s model by its export and by ``apply_plan`` on 2 fake ranks, then a step of
+    each: what FSDP2 made of each model (its FSDP modules' params, and their forward prefetch)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_planner.apply import apply_plan
+
+    scope: dict = {}
+    exec(compile(export_plan(plan, fmt, PRECISIONS["fp32"]), "exported.py", "exec"), scope)
+    made = []
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        for shard in (lambda m: scope["apply"](m, init_device_mesh("cpu", (2,))),
+                      lambda m: apply_plan(m, plan, mesh=init_device_mesh("cpu", (2,)))):
+            lm = load_model(spec, meta=False)
+            shard(lm.model)
+            lm.model(*lm.example_inputs).square().mean().backward()
+            made.append((_fsdp_params(lm.model), _prefetched(lm.model)))
+    finally:
+        dist.destroy_process_group()
+    return made[0], made[1]
+
+
+@pytest.mark.parametrize("spec, groups", [
+    ("nested_stem", [["stem.2", "stem"], ["stem.0"], ["head"]]),  # depths tie: the parent's group listed first
+    ("shared_submodule", [["blocks.0"], ["proj"], ["blocks.1"]]),  # proj is blocks.0.proj too: shallower, first
+])
+def test_exported_code_shards_nested_groups_in_apply_plan_s_order(spec: str, groups: list[list[str]]) -> None:
+    """A group holding a module below another group's module is sharded first, by the module tree of the model the
+    code is given (a shared submodule's every parent), as apply_plan orders it: sharded after its parent's group,
+    its params were the parent's and fully_shard failed on the ranks ("Invariant encountered")."""
+    lm = load_model(f"{FACTORIES}:{spec}", meta=True)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
+    plan = make_plan(tr, groups, model=f"{FACTORIES}:{spec}")
+    plan = plan.replace(groups=[*sorted(plan.inner_groups, key=lambda g: groups.index(list(g.modules))), plan.root])
+    exported, applied = _export_beside_apply_plan(f"{FACTORIES}:{spec}", plan)
+    assert exported == applied
+    hooked = {"nested_stem": "stem", "shared_submodule": "blocks.0"}[spec]
+    assert exported[0][hooked] == sorted(plan.groups[0].params)
+
+
+@pytest.mark.parametrize("first, then, prefetch", [("head", "", {"head": [""]}), ("stem.2", "", {"stem": [""]}),
+                                                    ("", "head", {"": ["head"]})])
+def test_a_prefetch_list_naming_the_root_is_exported_as_apply_plan_applies_it(first, then, prefetch) -> None:
+    """The root is the plan's last group, which a prefetch list may name and which may have lists of its own
+    (apply_plan prefetches the model itself, and sets the model's lists); the export's list of groups left it out
+    (IndexError on the ranks), and its lists were dropped. A group's FSDP module is its first module not below
+    another of its own ('stem', not 'stem.2', which FSDP2 gives no state)."""
+    lm = load_model(f"{FACTORIES}:nested_stem", meta=True)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
+    plan = make_plan(tr, [["stem.2", "stem"], ["stem.0"], ["head"]], model=f"{FACTORIES}:nested_stem")
+    at = {m: i for i, g in enumerate(plan.groups) for m in g.modules}
+    plan = plan.with_group(at[first], forward_prefetch=[at[then]])
+    exported, applied = _export_beside_apply_plan(f"{FACTORIES}:nested_stem", plan)
+    assert exported == applied and exported[1] == prefetch
+
+
 def _run_example(tmp_path: Path, fmt: ExportFormat, script: str, torchrun: bool = True,
                  precision: str = DEFAULT_PRECISION) -> str:
     code = tmp_path / f"plan_{fmt.value}.py"

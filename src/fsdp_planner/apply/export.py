@@ -19,6 +19,7 @@ is named relative to the export (``portable_model``), never by an absolute path.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from pathlib import Path
@@ -28,10 +29,12 @@ import torch
 
 import fsdp_planner.apply.torchtitan_parallelize as titan
 from fsdp_planner.apply.expert_parallel import check_no_prefetch
+from fsdp_planner.apply.fully_shard import module_parents
 from fsdp_planner.apply.torchtitan_job import torchtitan_job
 from fsdp_planner.choices import DEFAULT_PRECISION, ExportFormat, ReduceDtype
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
+from fsdp_planner.fsdp2.claim import dag_ancestors, hooked_modules, shard_order, topological_order
 from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
@@ -76,20 +79,20 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None, **fsdp_kwargs: Any) 
         _checkpoint(modules[name])
     for name in COMPILED:  # then torch.compile, each module on its own, as torchtitan compiles its blocks
         modules[name].forward = torch.compile(modules[name].forward, fullgraph=True)
-    # children first: a group nested in another's module must be sharded before its parent claims the params
-    for i in sorted(range(len(GROUPS)), key=lambda i: -max(_depth(n) for n in GROUPS[i][0])):
+    targets = [[modules[n] for n in names] for names, _ in GROUPS]
+    order, hooked = fully_shard_order(model, targets)  # children first, as fsdp-planner's apply_plan
+    for i in order:
         names, reshard = GROUPS[i]
-        targets = [modules[n] for n in names]
-        fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, reshard_after_forward=reshard,
+        fully_shard(targets[i] if len(targets[i]) > 1 else targets[i][0], mesh=mesh, reshard_after_forward=reshard,
                     **fsdp_kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=ROOT_RESHARD_AFTER_FORWARD, **fsdp_kwargs)
     for name, method in FORWARD_METHODS:  # methods other than forward the step calls on a sharded module
         register_fsdp_forward_method(modules[name], method)
-    groups = [modules[names[0]] for names, _ in GROUPS]
-    for i, targets in FORWARD_PREFETCH.items():
-        groups[i].set_modules_to_forward_prefetch([groups[j] for j in targets])
-    for i, targets in BACKWARD_PREFETCH.items():
-        groups[i].set_modules_to_backward_prefetch([groups[j] for j in targets])
+    groups = [*hooked, model]  # by the plan's group numbers: the root, last, is one a prefetch list may name
+    for i, later in FORWARD_PREFETCH.items():
+        groups[i].set_modules_to_forward_prefetch([groups[j] for j in later])
+    for i, earlier in BACKWARD_PREFETCH.items():
+        groups[i].set_modules_to_backward_prefetch([groups[j] for j in earlier])
     return model
 
 
@@ -141,8 +144,21 @@ def make_mesh(device_type: str | None = None) -> DeviceMesh:
     return init_device_mesh(device_type, MESH, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def _depth(name: str) -> int:
-    return name.count(".") + 1 if name else 0
+def fully_shard_order(model: nn.Module, targets: list[list[nn.Module]]) -> tuple[list[int], list[nn.Module]]:
+    """The order of the GROUPS' ``fully_shard`` calls on ``model`` (``targets``: each group's modules) and each
+    group's FSDP module, as fsdp-planner's ``apply_plan`` has them, by its own functions below: a group holding a
+    module below another group's module comes first (FSDP2's call claims every param below its modules down to the
+    modules sharded before it: sharded after, the child's params would be the parent's); a group's FSDP module is
+    its first module not below another of its own (``fully_shard`` hooks only those)."""
+    named = {id(m): n for n, m in model.named_modules()}
+    groups = [[named[id(m)] for m in ms] for ms in targets]
+    parents = module_parents(model)
+    order = shard_order(groups, parents)
+    if len(order) < len(groups):
+        raise ValueError("the plan's groups nest inside each other in a cycle: no fully_shard order exists (an "
+                         "edited plan, or one made for another model)")
+    modules = dict(model.named_modules())
+    return order, [modules[hooked_modules(g, parents)[0]] for g in groups]
 '''
 
 HEADER = '''"""{title}
@@ -155,7 +171,8 @@ Each entry of GROUPS is one ``fully_shard`` call: (module names, reshard_after_f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -225,16 +242,13 @@ def _dtype(dtype: torch.dtype | None) -> str:
     return "None" if dtype is None else str(dtype)
 
 
-GROUP_SHARD = ("        fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, "
+GROUP_SHARD = ("        fully_shard(targets[i] if len(targets[i]) > 1 else targets[i][0], mesh=mesh, "
                "reshard_after_forward=reshard,\n                    **fsdp_kwargs)\n")
 # plans with fp32 groups only (Group.param_dtype): those groups get their own policy
 FP32_GROUP_SHARD = ("        kwargs = {**fsdp_kwargs, \"mp_policy\": full_precision(fsdp_kwargs[\"mp_policy\"])} "
                     "if i in FP32_GROUPS \\\n            else fsdp_kwargs\n"
-                    "        fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, "
-                    "reshard_after_forward=reshard, **kwargs)\n")
-GROUP_ORDER = "key=lambda i: -max(_depth(n) for n in GROUPS[i][0])):\n"
-# the fp32 groups hold whole subtrees of modules no other group lists: sharded first, before a parent claims them
-FP32_GROUP_ORDER = "key=lambda i: (i not in FP32_GROUPS, -max(_depth(n) for n in GROUPS[i][0]))):\n"
+                    "        fully_shard(targets[i] if len(targets[i]) > 1 else targets[i][0], mesh=mesh, "
+                    "reshard_after_forward=reshard,\n                    **kwargs)\n")
 FP32_TAIL = """
 
 def full_precision(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
@@ -351,8 +365,9 @@ OPTIMIZER_CALLS = {"sgd": "torch.optim.SGD(params, lr) (foreach)",
 
 def plan_constants(plan: Plan, precision: Precision) -> str:
     """The plan, and the precision its numbers assumed, as Python literals."""
-    fwd = {i: list(g.forward_prefetch) for i, g in enumerate(plan.inner_groups) if g.forward_prefetch}
-    bwd = {i: list(g.backward_prefetch) for i, g in enumerate(plan.inner_groups) if g.backward_prefetch}
+    # by the plan's group numbers, the root's (the last) among them, as apply_plan sets them
+    fwd = {i: list(g.forward_prefetch) for i, g in enumerate(plan.groups) if g.forward_prefetch}
+    bwd = {i: list(g.backward_prefetch) for i, g in enumerate(plan.groups) if g.backward_prefetch}
     mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh is not None else None
     param_dtype, reduce_dtype = precision.fsdp_dtypes()
     lines = [f"POLICY: str = {py_literal(plan.policy)}",
@@ -815,7 +830,7 @@ def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParal
     dims, ``parallelize_module`` before checkpointing and ``fully_shard``; ``make_mesh`` of the TP tail in place
     of the data-parallel one."""
     body = body.replace(TP_APPLY_LINE, TP_APPLY_LINE + TP_SPLIT)
-    start, end = body.index("\n\ndef make_mesh("), body.index("\n\ndef _depth(")
+    start, end = body.index("\n\ndef make_mesh("), body.index("\n\ndef fully_shard_order(")
     tail = TP_TAIL.replace("{expert_dims}", py_literal(EXPERT_TENSOR_DIMS)).replace(
         "{packed_dims}", py_literal({TPStyle.MOE_TP_EXPERTS.value: MOE_TP_EXPERT_DIMS,
                                      TPStyle.MOE_TP_EXPERTS_IN_OUT.value: MOE_TP_EXPERT_IN_OUT_DIMS}))
@@ -993,6 +1008,16 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
                                            split=py_literal(plan.tp_degree)), body + tail
 
 
+# fsdp-planner's own functions that order the groups' fully_shard calls (apply_plan's), written into every export
+# as they are: the exported code orders the model it is given exactly as apply_plan would
+ORDER_FUNCTIONS = (module_parents, dag_ancestors, hooked_modules, shard_order, topological_order)
+
+
+def order_functions() -> str:
+    """The source of ``ORDER_FUNCTIONS``, each as ``fully_shard_order`` calls it."""
+    return "".join("\n\n" + inspect.getsource(f) for f in ORDER_FUNCTIONS)
+
+
 def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION],
                 where: str | os.PathLike[str] | None = None) -> str:
     """The source of a module that applies ``plan`` in the ``fmt`` framework's way, in ``precision`` (what the
@@ -1002,7 +1027,7 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
     header = HEADER.format(title=TITLES[fmt], groups=f"{fmt_count(len(plan.inner_groups), 'group')} and the root")
     # a plan made with --reduce-dtype records it: the reduce dtype is part of the precision the plan runs in
     precision = with_reduce_dtype(precision, ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None)
-    constants, body, tails = plan_constants(plan, precision) + "\n", APPLY_BODY, ""
+    constants, body, tails = plan_constants(plan, precision) + "\n", APPLY_BODY, order_functions()
     # plans without op-level checkpointing or activation offloading export as before
     if plan.selective_checkpointing:
         constants += selective_constants(plan) + "\n"
@@ -1016,7 +1041,7 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
     fp32 = [i for i, g in enumerate(plan.inner_groups) if g.param_dtype == "fp32"]
     if fp32:
         constants += f"FP32_GROUPS: list[int] = {py_literal(fp32)}  # groups computing in fp32 (full_precision)\n"
-        body = body.replace(GROUP_SHARD, FP32_GROUP_SHARD).replace(GROUP_ORDER, FP32_GROUP_ORDER)
+        body = body.replace(GROUP_SHARD, FP32_GROUP_SHARD)
         tails += FP32_TAIL
     tail = TAILS[fmt]
     if plan.tensor_parallel is not None:

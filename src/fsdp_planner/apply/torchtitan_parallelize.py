@@ -31,8 +31,9 @@ MODULES_LINE = "    modules = dict(model.named_modules())\n"
 TITAN_MODULES_LINE = "    modules = TorchtitanModules(model.named_modules())  # the plan's names, or torchtitan's\n"
 MISSING_LINE = "    missing = sorted(n for n in named if n not in modules)\n"
 TITAN_MISSING_LINE = MISSING_LINE + "    modules.check_groups(GROUPS, CHECKPOINTED + COMPILED)  # before any change\n"
-TARGETS_LINE = "        targets = [modules[n] for n in names]\n"
-TITAN_TARGETS_LINE = "        targets = modules.targets(names)  # (q, k, v: one; transformers' backbone: three)\n"
+TARGETS_LINE = "    targets = [[modules[n] for n in names] for names, _ in GROUPS]\n"
+TITAN_TARGETS_LINE = ("    targets = [modules.targets(names) for names, _ in GROUPS]  # (q, k, v: one; transformers' "
+                      "backbone: three)\n")
 SHARD_DIMS_LINE = ("    dims = {id(p): SHARD_DIMS[n] for n, p in model.named_parameters(remove_duplicate=False) "
                    "if n in SHARD_DIMS}\n")
 TITAN_SHARD_DIMS_LINE = "    dims = TorchtitanModules(model.named_modules()).shard_dims(SHARD_DIMS)\n"

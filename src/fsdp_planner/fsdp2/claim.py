@@ -55,16 +55,30 @@ def application_order(plan: Plan, parents: Mapping[str, Sequence[str]]) -> list[
     """Group indices in the order ``fully_shard`` must be called: a group listing a module below a module of
     another group comes first (its DFS must stop there); the root comes last. ``parents``: module -> the modules
     holding it as a child."""
-    n = len(plan.groups)
-    group_of = {m: i for i, g in enumerate(plan.groups) for m in g.modules}
-    deps: list[set[int]] = [set() for _ in range(n)]  # deps[i]: groups to apply before group i
-    for j, g in enumerate(plan.groups):
-        for m in g.modules:
+    order = shard_order([g.modules for g in plan.groups], parents)
+    if len(order) < len(plan.groups):
+        raise PlannerError(NESTED_IN_A_CYCLE)
+    return order
+
+
+NESTED_IN_A_CYCLE = "plan groups nest inside each other in a cycle; no fully_shard order exists"
+
+
+def shard_order(groups: Sequence[Sequence[str]], parents: Mapping[str, Sequence[str]]) -> list[int]:
+    """Indices of ``groups`` (each a group's module names) in the order ``fully_shard`` must be called: a group
+    listing a module below a module of another group comes first (its DFS must stop there). Groups nested in each
+    other in a cycle have no order and are left out: the caller refuses them. ``export`` writes this function's
+    source into its code (with ``dag_ancestors``, ``hooked_modules`` and ``topological_order``), so the exported
+    code orders the groups of the model it is given as ``apply_plan`` does: keep them free of this package."""
+    group_of = {m: i for i, g in enumerate(groups) for m in g}
+    before: list[set[int]] = [set() for _ in groups]  # before[i]: groups to apply before group i
+    for j, g in enumerate(groups):
+        for m in g:
             for a in dag_ancestors(m, parents):
                 i = group_of.get(a)
                 if i is not None and i != j:
-                    deps[i].add(j)
-    return _topological_order(deps)
+                    before[i].add(j)
+    return topological_order(before)
 
 
 def dag_ancestors(fqn: str, parents: Mapping[str, Sequence[str]]) -> set[str]:
@@ -134,7 +148,8 @@ def _claimed_in_tree(plan: Plan, trace: Trace) -> list[list[str]]:
                 if group_of[a] != gi:
                     carved[group_of[a]].append(m)
                 break
-    _topological_order([{group_of[m] for m in ms} for ms in carved])
+    if len(topological_order([{group_of[m] for m in ms} for ms in carved])) < len(plan.groups):
+        raise PlannerError(NESTED_IN_A_CYCLE)
     result: list[list[str]] = []
     claimed_by: dict[str, int] = {}
     for gi, g in enumerate(plan.groups):
@@ -147,9 +162,10 @@ def _claimed_in_tree(plan: Plan, trace: Trace) -> list[list[str]]:
     return result
 
 
-def _topological_order(before: list[set[int]]) -> list[int]:
+def topological_order(before: list[set[int]]) -> list[int]:
     """Indices ordered so that each comes after all of ``before[i]``, smallest index first among the ready ones
-    (deterministic). Two groups each nested in the other have no order: FSDP2 cannot apply them."""
+    (deterministic). Indices in a cycle (two groups each nested in the other, which FSDP2 cannot apply) are left
+    out."""
     missing = [len(b) for b in before]
     after: list[list[int]] = [[] for _ in before]
     for i, b in enumerate(before):
@@ -165,8 +181,6 @@ def _topological_order(before: list[set[int]]) -> list[int]:
             missing[i] -= 1
             if missing[i] == 0:
                 heapq.heappush(ready, i)
-    if len(order) < len(before):
-        raise PlannerError("plan groups nest inside each other in a cycle; no fully_shard order exists")
     return order
 
 
