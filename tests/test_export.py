@@ -501,6 +501,33 @@ def test_export_rewrites_its_own_file_but_never_the_users(tmp_path, capsys) -> N
     assert "refusing to overwrite" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("edit, said", [
+    (lambda d: d.update(shard_dims={"output.weight": 2}), "shards output.weight [256, 64] on dim 2, which it does "
+                                                          "not have"),
+    (lambda d: d.update(shard_dims={"output.wieght": 1}), "names \"output.wieght\", which is not a parameter"),
+    (lambda d: d["groups"][1].update(reshard_after_forward=3), "reshard_after_forward=3, which FSDP2 needs to divide "
+                                                               "the world size of 2 ranks"),
+    (lambda d: d["groups"][1]["params"].pop(), "do not list every param of this model (missing parameters: "),
+], ids=["dim-the-param-lacks", "no-such-param", "reshard-not-dividing", "param-missing"])
+def test_export_refuses_what_simulate_refuses_on_the_same_model(tmp_path, capsys, edit, said) -> None:
+    """A plan file of a model export builds (a built-in, an hf: config) is checked against it as simulate checks it,
+    on the ranks it was made for: the code once failed on the ranks (an AssertionError for a dim the param lacks, a
+    reshard size FSDP2 refuses) or silently dropped a shard dim naming no param."""
+    from fsdp_planner.cli import main
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--cluster", "h100:2", "--out", str(plan), "--quiet"]) == 0
+    capsys.readouterr()
+    data = json.loads(plan.read_text())
+    edit(data)
+    plan.write_text(json.dumps(data))
+    assert main(["simulate", "toy-llama", "--plan", str(plan), "--cluster", "h100:2"]) == 2
+    refused = capsys.readouterr().err.strip().splitlines()[-1]
+    assert main(["export", str(plan), "--out", str(tmp_path / "code.py")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == refused and said in refused
+    assert not (tmp_path / "code.py").exists()
+
+
 def test_export_sets_the_precision_the_plan_was_made_in(tmp_path, capsys) -> None:
     """`plan --out` records its --precision and export sets it; --precision on export wins, with a note."""
     from fsdp_planner.cli import main

@@ -16,7 +16,7 @@ from fsdp_planner.cli.paths import export_files
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.models import ModelSpec, as_spec, hf
-from fsdp_planner.service.plan_files import check_plan_tp, checked_modules
+from fsdp_planner.service.plan_files import checked_modules, checked_on_model
 from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.options import precision_named
 from fsdp_planner.userfiles import write_atomic
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
                     "factory is not run): the code checks the module names it needs when it runs")
     check_model_runs_ep(as_spec(plan.model), plan, modules)  # transformers' experts its EP does not run: refused
     if modules is not None:
-        check_tp_runs(plan)
+        check_on_model(plan, args.plan)
     precision = _precision(args.precision, plan)
     if plan.model.partition(":")[0].endswith(".py") and not Path(plan.model.rpartition(":")[0]).is_file():
         render.note(f"the plan's model file {plan.model.rpartition(':')[0]} is not found from here: the code names "
@@ -65,17 +65,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_tp_runs(plan: Plan) -> None:
-    """A plan's tensor parallelism meets ``check``'s TP checks on the model it names (built and traced here, on
-    meta, at the plan's workload): a style torch cannot apply to its module, a layout whose Linears do not pair, a
-    pattern naming no module fail here, not on the ranks of the exported code."""
-    if plan.tensor_parallel is None or plan.tensor_parallel.degree == 1:
-        return
+def check_on_model(plan: Plan, path: str) -> None:
+    """The plan file checked against the model it names (built and traced here, on meta, at the plan's workload) as
+    ``simulate`` checks it (``checked_on_model``), on the ranks it was made for: shard dims a param lacks, an int
+    reshard_after_forward that does not divide them, groups that miss a param or list one FSDP2 would not claim,
+    tensor parallelism torch cannot apply (a style, a layout whose Linears do not pair, a pattern naming no
+    module) fail here, in one line, not on the ranks of the exported code."""
     w = plan.workload
     spec = ModelSpec(plan.model, batch_size=w.batch if w else None, seq_len=w.seq if w and w.seq else None,
                      attention=plan.attention or None,
                      hf_config=tuple(plan.hf_config.items()) if hf.is_hf(plan.model) else ())
-    check_plan_tp(plan, trace_spec(spec), spec, render.note)
+    checked_on_model(plan, path, trace_spec(spec), spec, render.note, w.ranks if w and w.ranks else None)
 
 
 def _precision(asked: str | None, plan: Plan) -> str:

@@ -33,18 +33,7 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     (module lists) gets its params derived. ``text``: the plan's JSON held elsewhere (an export's), ``path`` naming
     where."""
     read = Plan.load(path) if text is None else Plan.from_json(text, path)
-    plan = _titled(with_claimed_params(read, tr))
-    if (said := _filtering_nothing(plan, tr)) is not None:  # (before a refusal it may explain)
-        note(said)
-    check_hf_config(plan, as_spec(model), path)
-    check_shard_dims(plan, tr)
-    check_plan_tp(plan, tr, as_spec(model), note)
-    check_plan_ep(plan, tr)
-    check_plan_matches(plan, tr)
-    check_plan_runs(tr, plan)
-    check_plan_methods(plan, model)
-    if world is not None:
-        check_plan_world_size(plan, world)
+    plan = checked_on_model(read, path, tr, model, note, world)
     if (said := ep_note(plan, tr, as_spec(model))) is not None:
         note(said)
     asked = as_spec(model).attention or ""
@@ -68,6 +57,28 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
         note("the plan compiles the loss and this command traced it eager: add --compile-loss for the figures it was "
              "planned with" if plan.compiled_loss else "--compile-loss traced the loss compiled and the plan runs it "
              "eager: these figures are of the compiled loss, not of the plan's job")
+    return plan
+
+
+def checked_on_model(read: Plan, path: str, tr: Trace, model: ModelSpec | str,
+                     note: Callable[[str], None] = lambda line: None, world: int | None = None) -> Plan:
+    """A plan file as read (``path``) checked against the traced ``model`` as ``simulate`` and ``export`` check it:
+    the same hf_config fields, the params its groups list those the model has and FSDP2 claims, shard dims the
+    params have, TP and EP that apply, a step that reads no sharded param, forward methods that exist, and (given
+    ``world``) a layout and int ``reshard_after_forward`` FSDP2 applies on that many ranks. A hand-written plan
+    (module lists) is returned with its params derived."""
+    plan = _titled(with_claimed_params(read, tr))
+    if (said := _filtering_nothing(plan, tr)) is not None:  # (before a refusal it may explain)
+        note(said)
+    check_hf_config(plan, as_spec(model), path)
+    check_shard_dims(plan, tr)
+    check_plan_tp(plan, tr, as_spec(model), note)
+    check_plan_ep(plan, tr)
+    check_plan_matches(plan, tr)
+    check_plan_runs(tr, plan)
+    check_plan_methods(plan, model)
+    if world is not None:
+        check_plan_world_size(plan, world)
     return plan
 
 
