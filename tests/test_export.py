@@ -528,6 +528,36 @@ def test_export_refuses_what_simulate_refuses_on_the_same_model(tmp_path, capsys
     assert not (tmp_path / "code.py").exists()
 
 
+@pytest.mark.parametrize("fmt, out", [("python", "plan_code.py"), ("accelerate", "plan.yaml")])
+def test_export_never_replaces_its_file_once_edited(tmp_path, capsys, fmt, out) -> None:
+    """Each file export writes begins with the checksum of its text: --out writes it again while it is as written,
+    and refuses (in one line, the file kept) once edited, e.g. a function appended, which the header alone let the
+    next export overwrite; an older export's file, without a checksum, is refused too (no one can tell its edits);
+    --force replaces either."""
+    from fsdp_planner.cli import main
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--out", str(plan), "--quiet"]) == 0
+    target = tmp_path / out
+    assert main(["export", str(plan), "--format", fmt, "--out", str(target)]) == 0
+    assert main(["export", str(plan), "--format", fmt, "--out", str(target)]) == 0  # unedited: written again
+    written = {p: p.read_text() for p in (target, target.with_suffix(".py"))}
+    for edited in written:
+        capsys.readouterr()
+        edited.write_text(written[edited] + "# my note\n")
+        assert main(["export", str(plan), "--format", fmt, "--out", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert "someone edited since" in err and "--force" in err and len(err.strip().splitlines()) == 1, err
+        assert edited.read_text() == written[edited] + "# my note\n"
+        edited.write_text(written[edited])
+    older = written[target].partition("\n")[2]  # as export wrote it before it had the checksum line
+    target.write_text(older)
+    assert main(["export", str(plan), "--format", fmt, "--out", str(target)]) == 2
+    assert "older fsdp-planner export wrote" in capsys.readouterr().err and target.read_text() == older
+    assert main(["export", str(plan), "--format", fmt, "--out", str(target), "--force"]) == 0
+    assert target.read_text() == written[target]
+
+
 def test_export_sets_the_precision_the_plan_was_made_in(tmp_path, capsys) -> None:
     """`plan --out` records its --precision and export sets it; --precision on export wins, with a note."""
     from fsdp_planner.cli import main

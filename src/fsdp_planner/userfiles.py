@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
@@ -276,6 +277,28 @@ def _keep_mode(target: Path, tmp: Path) -> None:
     """A file written again keeps its permissions (the temporary file has the umask's)."""
     with contextlib.suppress(FileNotFoundError):  # a new file: the umask's mode, as a plain write gives
         os.chmod(tmp, os.stat(target).st_mode & 0o7777)
+
+
+# The first line of every file ``export`` writes: the sha256 of the text below it. ``export --out`` replaces such a
+# file only while that text still hashes to it: the header alone said "export wrote this", and a user's edits (a
+# function appended) were lost to the next export.
+EXPORT_STAMP = "# fsdp-planner export, sha256 of the text below: {digest} (export --out replaces it only unedited)\n"
+_STAMP_LINE = re.compile(rb"# fsdp-planner export, sha256 of the text below: ([0-9a-f]{64})\b[^\n]*\n")
+
+
+def stamped(text: str) -> str:
+    """``text`` under ``EXPORT_STAMP``'s first line, its checksum."""
+    return EXPORT_STAMP.format(digest=hashlib.sha256(text.encode("utf-8")).hexdigest()) + text
+
+
+def as_stamped(data: bytes) -> bool | None:
+    """Whether ``data`` (a file's bytes) below its first line is still the text that line's checksum is of
+    (``stamped``); None where it has no such line (no file export writes, or one an older fsdp-planner wrote,
+    whose edits cannot be told)."""
+    found = _STAMP_LINE.match(data)
+    if found is None:
+        return None
+    return hashlib.sha256(data[found.end():]).hexdigest() == found.group(1).decode("ascii")
 
 
 def shown_json(value: Any) -> str:

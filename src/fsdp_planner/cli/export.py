@@ -19,7 +19,7 @@ from fsdp_planner.models import ModelSpec, as_spec, hf
 from fsdp_planner.service.plan_files import checked_modules, checked_on_model
 from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.options import precision_named
-from fsdp_planner.userfiles import write_atomic
+from fsdp_planner.userfiles import stamped, write_atomic
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
     # accelerate: --out is the launch config, the code goes beside it (checked before any work by check_paths)
     hook = export_files(args.out, fmt.value, args.force) if args.out is not None else None
     code_file = hook or (Path(args.out) if args.out is not None else None)
-    source = export_plan(plan, fmt, precision_named(precision), where=code_file.parent if code_file else None)
-    config = accelerate_config(plan, precision_named(precision)) if fmt is ExportFormat.ACCELERATE else None
+    # each file under its checksum line: a second export --out replaces it only as written (cli/paths.py)
+    source = stamped(export_plan(plan, fmt, precision_named(precision), where=code_file.parent if code_file else None))
+    config = stamped(accelerate_config(plan, precision_named(precision))) if fmt is ExportFormat.ACCELERATE else None
     if code_file is not None:
         write_atomic(code_file, source)  # export_plan writes ASCII only
         if hook is not None and config is not None:
