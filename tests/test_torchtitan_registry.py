@@ -898,6 +898,51 @@ def test_a_job_without_token_counts_runs_training_config_s_defaults(tmp_path, ca
     assert (says in err) if says else "gives no token counts" not in err, err
 
 
+CNN = """import torch
+import torch.nn as nn
+
+
+class ConvBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return x + torch.relu(self.conv(x))
+
+
+def build(batch_size: int = 4):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), ConvBlock(), ConvBlock(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
+    return model, (torch.randn(batch_size, 3, 8, 8),)
+"""
+
+
+@pytest.mark.parametrize(("training", "workload", "says"), [
+    ("", (None, None), "gives no token counts, and the model {cnn} takes no sequence: torchtitan's default counts "
+                       "do not apply, simulated at its factory's batch"),
+    ("training=TrainingConfig(num_tokens_per_microbatch_per_dp_rank=8192, max_context_length=2048)", None,
+     "the torchtitan job '{job}' counts its micro-batch in tokens, in sequences of 2,048 "
+     "(training.max_context_length), and the model {cnn} takes no sequence"),
+], ids=["no-token-counts", "token-counts"])
+def test_a_job_s_token_counts_are_not_a_sequence_for_a_model_without_one(tmp_path, capsys, training, workload, says):
+    """A job (an export's of a CNN's plan: it gives no token counts) read for a model that takes no sequence:
+    torchtitan's default counts were passed as its sequence, "--seq does not apply" to an option the user never
+    gave; now its factory's batch is simulated, with a note, and a job's own counts are refused as the job's."""
+    cnn, path = tmp_path / "cnn.py", tmp_path / "config_registry.py"
+    cnn.write_text(CNN)
+    path.write_text("from torchtitan.config import TrainingConfig\nfrom torchtitan.trainer import Trainer\n\n\n"
+                    f"def job() -> Trainer.Config:\n    return Trainer.Config({training})\n")
+    said = says.format(cnn=f"{cnn}:build", job=f"{path}:job")
+    if workload is None:
+        with pytest.raises(PlannerError, match=re.escape(said)):
+            options(f"{path}:job", f"{cnn}:build")
+        return
+    shown, _ = options(f"{path}:job", f"{cnn}:build")
+    assert (shown["batch"], shown["seq"]) == workload
+    assert said in capsys.readouterr().err
+    assert main(["simulate", f"{cnn}:build", "--from-torchtitan", f"{path}:job", "--cluster", "h100:2"]) == 0
+
+
 def test_a_token_count_left_out_beside_one_given_is_training_config_s_default_and_said(tmp_path):
     """torchtitan fills in TrainingConfig's defaults for the counts a job leaves out; the step's count alone was
     refused, a length alone or a micro-batch alone took the defaults without a word."""

@@ -195,6 +195,16 @@ def workload_defaults(factory: Callable[..., tuple]) -> dict[str, Any]:
     return {k: params[k].default for k in WORKLOAD_OPTIONS if k in params}
 
 
+def takes(factory: Callable[..., tuple], key: str) -> bool:
+    """Whether ``factory`` takes the workload keyword ``key`` (``seq_len``): by name, or as any keyword."""
+    try:
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                        for p in inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        takes_any = False
+    return takes_any or key in workload_defaults(factory)
+
+
 def factory_kwargs(factory: Callable[..., tuple], spec: ModelSpec) -> dict[str, Any]:
     """The keyword arguments ``factory`` gets for ``spec``; a workload option it cannot take is an error, never
     silently ignored (the plan would be for another step)."""
@@ -205,14 +215,8 @@ def factory_kwargs(factory: Callable[..., tuple], spec: ModelSpec) -> dict[str, 
         wanted.update({"seq_len": default} if default is not None else {})
     if not wanted:
         return config
-    try:
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD
-                        for p in inspect.signature(factory).parameters.values())
-    except (TypeError, ValueError):
-        takes_any = False
-    taken = workload_defaults(factory)
     for key in wanted:
-        if key in taken or takes_any:
+        if takes(factory, key):
             continue
         option = WORKLOAD_OPTIONS[key]
         if spec.name in BUILTINS:
@@ -289,15 +293,43 @@ def written_defaults(spec: ModelSpec) -> dict[str, int]:
     return {**_literal_defaults(target, fn_name), **known}
 
 
+def takes_sequence(spec: str) -> bool:
+    """Whether the model ``spec`` names takes a sequence length (``seq_len``), a ``file.py:fn`` factory's read from
+    its signature without running the file (its import runs once, when the model is built); True where that
+    cannot be told (a factory that is not a plain ``def``: the model is asked when built)."""
+    target, _, fn_name = spec.rpartition(":")
+    if spec in BUILTINS or hf.is_hf(spec) or not target.endswith(".py"):
+        return takes(resolve_factory(spec), "seq_len")
+    try:
+        mtime = Path(target).stat().st_mtime_ns
+    except OSError:
+        return True
+    return _takes_sequence_of(str(Path(target).resolve()), mtime, fn_name)
+
+
 @functools.lru_cache(maxsize=64)
-def _literal_defaults_of(path: str, mtime_ns: int, fn_name: str) -> tuple[tuple[str, int], ...]:
+def _takes_sequence_of(path: str, mtime_ns: int, fn_name: str) -> bool:
+    fn = _function_def(path, fn_name)
+    if fn is None:
+        return True
+    args = fn.args
+    return args.kwarg is not None or "seq_len" in {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}
+
+
+def _function_def(path: str, fn_name: str) -> ast.FunctionDef | None:
+    """The top-level ``def fn_name`` of the Python file ``path``, parsed, not run; None where there is none."""
     try:
         if Path(path).stat().st_size > MAX_SOURCE_BYTES:
-            return ()
+            return None
         tree = ast.parse(Path(path).read_bytes(), path)  # (bytes: its coding line or BOM decodes it, as import does)
     except (OSError, SyntaxError, ValueError, RecursionError):
-        return ()
-    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn_name), None)
+        return None
+    return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn_name), None)
+
+
+@functools.lru_cache(maxsize=64)
+def _literal_defaults_of(path: str, mtime_ns: int, fn_name: str) -> tuple[tuple[str, int], ...]:
+    fn = _function_def(path, fn_name)
     if fn is None:
         return ()
     args = [*fn.args.posonlyargs, *fn.args.args]

@@ -33,7 +33,7 @@ from fsdp_planner.configs.torchtitan_registry import PLAN_NAME, TITAN_FUSED_ATTE
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE, parse_cluster
-from fsdp_planner.models import BUILTINS, ModelSpec
+from fsdp_planner.models import BUILTINS, ModelSpec, takes_sequence
 from fsdp_planner.planners.blocks import ClassesNotFound
 from fsdp_planner.planners.config_edit import (
     Setting,
@@ -168,12 +168,22 @@ def _workload(m: _Merge) -> None:
     registry = cfg.registry  # torchtitan's current keys
     batch_key = TOKENS_KEY if registry else \
         "training.local_batch_size" if cfg.kind == TORCHTITAN else "batch"
+    seq_key = "training.max_context_length" if registry else "training.seq_len"
+    # a job's token counts say nothing of a model without a sequence (a CNN): said as the job's, not as --seq
+    sequence = cfg.kind != TORCHTITAN or (cfg.seq is None and cfg.default_workload is None) or \
+        takes_sequence(m.values["model"])
+    if cfg.seq is not None and not sequence:
+        counts = f"counts its micro-batch in tokens, in sequences of {cfg.seq:,} ({seq_key})" if registry else \
+            f"runs sequences of {cfg.seq:,} tokens ({seq_key})"
+        raise PlannerError(f"the torchtitan job '{cfg.path}' {counts}, and the model {m.values['model']} takes no "
+                           "sequence (its factory has no seq_len keyword): give a job without token counts for it, "
+                           "or the model the job trains")
     if cfg.default_workload is not None:
-        _default_workload(m, *cfg.default_workload)
+        _default_workload(m, *cfg.default_workload, sequence)
     if cfg.batch is not None:
         m.given("batch", cfg.batch, batch_key)
     if cfg.seq is not None:
-        m.given("seq", cfg.seq, "training.max_context_length" if registry else "training.seq_len")
+        m.given("seq", cfg.seq, seq_key)
     if cfg.precision is not None:
         m.given("precision", cfg.precision, "the mixed precision", DEFAULT_PRECISION)
     if cfg.reduce_dtype is not None:
@@ -188,11 +198,18 @@ def _workload(m: _Merge) -> None:
         m.given("offload", True, cfg.key("offload"), False)
 
 
-def _default_workload(m: _Merge, batch: int, seq: int) -> None:
+def _default_workload(m: _Merge, batch: int, seq: int, sequence: bool = True) -> None:
     """A torchtitan job without its batch or sequence length: torchtitan runs its defaults for them, which --batch
-    and --seq replace (the job says nothing they would contradict)."""
+    and --seq replace (the job says nothing they would contradict). A model that takes no sequence (``sequence``
+    False) is simulated at its factory's own batch or --batch: torchtitan's default counts are of tokens, and
+    passing their sequence once failed with "--seq does not apply", an option the user never gave."""
     cfg = m.cfg
-    defaults = {k: v for k, v, own in (("batch", batch, cfg.batch), ("seq", seq, cfg.seq)) if own is None}
+    if not sequence and cfg.registry:  # its defaults count tokens, which say nothing of such a model's step
+        m.note(f"the job '{cfg.path}' gives no token counts, and the model {m.values['model']} takes no sequence: "
+               "torchtitan's default counts do not apply, simulated at its factory's batch (--batch sets another)")
+        return
+    own = (("batch", batch, cfg.batch), ("seq", seq, cfg.seq)) if sequence else (("batch", batch, cfg.batch),)
+    defaults = {k: v for k, v, given in own if given is None}
     mine = {k: m.values[k] for k in defaults}
     if all(mine.values()):
         return
