@@ -6,6 +6,7 @@ process group with FSDP2's and DTensor's collectives counted apart, beside the s
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +210,19 @@ def test_export_carries_the_layout_as_literals(toy, fmt: ExportFormat) -> None:
         assert "'--parallelism.tensor_parallel_degree', '2'," in source
         assert "enable_async_tensor_parallel" not in source.partition("def fsdp_planner_job")[2]
     assert "TP_DEGREE" not in export_plan(tp_plan(toy).replace(tensor_parallel=None), fmt)  # as before without TP
+
+
+@pytest.mark.parametrize(("mesh", "said"), [
+    (None, "this plan's tensor parallelism over 2 ranks does not divide the job's 3 ranks: launch a multiple of 2"),
+    (Mesh(2, 1), "this plan was made for 2x1 data-parallel ranks x TP 2 (4 ranks) and the job has 3"),
+], ids=["no-mesh", "mesh-2x1"])
+def test_an_exported_tp_mesh_refuses_a_world_it_was_not_made_for_in_its_numbers(toy, mesh, said) -> None:
+    """3 ranks for a TP 2 plan: it said "made for 1 data-parallel ranks x TP 2" (the job's world // TP, not the
+    plan's); a plan without a mesh runs on any multiple of its TP degree, which is what it says now."""
+    scope: dict = {"__name__": "exported"}
+    exec(compile(export_plan(tp_plan(toy, mesh=mesh), ExportFormat.PYTHON), "exported.py", "exec"), scope)
+    with fake_process_group(3), pytest.raises(ValueError, match=re.escape(said)):
+        scope["make_mesh"]("cpu")
 
 
 def _lightning_mesh(scope: dict) -> DeviceMesh:

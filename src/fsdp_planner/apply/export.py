@@ -594,10 +594,14 @@ def make_mesh(device_type: str | None = None) -> DeviceMesh:
     dp_shard, tp."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     world = _world_size()
+    if MESH is None and world % TP_DEGREE:  # (any multiple of TP_DEGREE runs: FSDP over the rest)
+        raise ValueError(f"this plan's tensor parallelism over {TP_DEGREE} ranks does not divide the job's {world} "
+                         f"ranks: launch a multiple of {TP_DEGREE}, or make the plan again for {world} ranks")
     replicate, shard = MESH if MESH is not None else (1, world // TP_DEGREE)
     if replicate * shard * TP_DEGREE != world:
-        raise ValueError(f"this plan was made for {replicate * shard} data-parallel ranks x TP {TP_DEGREE} and the "
-                         f"job has {world} ranks: make the plan again for {world} ranks")
+        raise ValueError(f"this plan was made for {replicate}x{shard} data-parallel ranks x TP {TP_DEGREE} "
+                         f"({replicate * shard * TP_DEGREE} ranks) and the job has {world}: make the plan again for "
+                         f"{world} ranks")
     dims = {"dp_replicate": replicate, "dp_shard": shard, "tp": TP_DEGREE}
     dims = {k: v for k, v in dims.items() if v > 1 or k == "dp_shard"}
     return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
