@@ -202,6 +202,30 @@ def test_printable_shows_control_characters_as_escapes():
     assert shown == "a\\x1b]0;pwned\\x07b\\x1b[2J\tc\nd\\u202e\\x9b\\x7fé"  # tab, newline and letters kept
 
 
+@pytest.mark.parametrize("edit, said", [
+    (lambda p: p.with_group(0, modules=("x\ny",)), "plan names modules the model does not have: x\\ny"),
+    (lambda p: p.replace(activation_checkpointing=["x\ny"]), "activation_checkpointing names a module the model "
+                                                             "does not have: 'x\\ny'"),
+    (lambda p: p.replace(compiled=["x\ny"]), "plan 'compiled' names modules the model does not have: x\\ny"),
+    (lambda p: p.replace(activation_offloading=["x\ny"]), "activation_offloading names a module the model does not "
+                                                          "have: 'x\\ny'"),
+    (lambda p: p.replace(forward_methods=[("x\ny", "loss")]), "the model has no module 'x\\ny'"),
+], ids=["group", "checkpointed", "compiled", "offloaded", "forward-method"])
+def test_apply_plan_refusals_show_a_name_s_newline_escaped(edit, said):
+    """A module name is anything add_module takes, a newline too: apply_plan's refusals naming one are one line
+    (the CLI showed the rest as '+1 more lines', an API caller a line that posed as its own)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_planner.apply import apply_plan
+    from fsdp_planner.runtime.fake_world import fake_process_group
+
+    lm = load_model("toy-llama", meta=False)
+    plan = make_policy(PolicyRequest.named("titan")).plan(record(lm.model, lm.example_inputs, lm.loss_fn))
+    with fake_process_group(2), pytest.raises(PlannerError) as refused:
+        apply_plan(lm.model, edit(plan), mesh=init_device_mesh("cpu", (2,)))
+    assert len(str(refused.value).splitlines()) == 1 and said in str(refused.value), str(refused.value)
+
+
 # -- the CLI: every command that prints a name from a file ------------------------------------------------------
 
 

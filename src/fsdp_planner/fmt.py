@@ -82,6 +82,12 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
+def printable_name(name: str) -> str:
+    """A module or param name (from a plan file or a model: anything ``add_module`` takes) inside a one-line message:
+    ``printable``, with its newlines and tabs escaped too, so the message stays the one line it is."""
+    return printable(name).replace("\n", "\\n").replace("\t", "\\t")
+
+
 def json_text(doc: object, indent: int | None = 2) -> str:
     """A ``--json`` document as strict JSON: a NaN or infinite float (a diverged loss, an unbounded ratio) is
     null, since ``json.dumps`` would print ``NaN``/``Infinity``, which no JSON parser but Python's accepts."""

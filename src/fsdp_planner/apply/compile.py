@@ -18,6 +18,7 @@ import torch.nn as nn
 import fsdp_planner.routing as routing
 from fsdp_planner.attention import compilable
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import printable_name
 
 
 def apply_compile(model: nn.Module, names: Sequence[str]) -> None:
@@ -25,7 +26,8 @@ def apply_compile(model: nn.Module, names: Sequence[str]) -> None:
     modules = dict(model.named_modules())
     unknown = [n for n in names if n not in modules]
     if unknown:
-        raise PlannerError(f"plan 'compiled' names modules the model does not have: {', '.join(unknown[:5])}")
+        raise PlannerError(f"plan 'compiled' names modules the model does not have: "
+                           f"{', '.join(map(printable_name, unknown[:5]))}")
     if names:
         compilable()
         routing.compilable()

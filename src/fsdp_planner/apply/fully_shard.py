@@ -13,6 +13,7 @@ from fsdp_planner.apply.float8 import apply_float8
 from fsdp_planner.apply.policies import plan_policies, reshard_arg
 from fsdp_planner.apply.tensor_parallel import apply_tp, split_mesh
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import printable_name
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing, apply_offloading
 from fsdp_planner.fsdp2.claim import application_order, hooked_modules
 from fsdp_planner.fsdp2.plan import Plan, check_int_reshard_on_dim0, check_plan_world_size
@@ -69,7 +70,8 @@ def shard_placement_fn(model: nn.Module, plan: Plan, world: int) -> Any:
             raise PlannerError(f"plan 'shard_dims' names {name!r}, which is not a parameter of the model")
         local = p.to_local() if hasattr(p, "to_local") else p  # a TP param: FSDP2 shards its TP-local shard
         if dim >= p.dim() or local.shape[dim] % world:
-            raise PlannerError(f"plan 'shard_dims' shards {name} {tuple(p.shape)} on dim {dim}, which FSDP2 needs to "
+            raise PlannerError(f"plan 'shard_dims' shards {printable_name(name)} {tuple(p.shape)} on dim {dim}, which "
+                               f"FSDP2 needs to "
                                f"exist and divide evenly by the shard size {world}")
         placed[id(p)] = dim
     return lambda param: Shard(placed[id(param)]) if id(param) in placed else None
@@ -82,7 +84,7 @@ def _check_modules(model: nn.Module, plan: Plan) -> None:
         raise PlannerError("plan was made for another model (parameter names, shapes or dtypes differ)")
     modules = dict(model.named_modules())
     if unknown := [m for g in plan.groups for m in g.modules if m not in modules]:
-        raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
+        raise PlannerError(f"plan names modules the model does not have: {', '.join(map(printable_name, unknown[:5]))}")
     check_forward_methods(plan, model)
     check_moe_styles(plan.tensor_parallel, modules, plan.expert_parallel is not None)
     if plan.expert_parallel is not None:

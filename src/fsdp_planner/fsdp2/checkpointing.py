@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from fsdp_planner.choices import ACMode, Offloaded, SacPolicy
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import printable_name
 from fsdp_planner.fsdp2.selective import sac_context_fn
 from fsdp_planner.fsdp2.tensor_parallel import matches
 from fsdp_planner.trace.events import EventKind, OwnCall
@@ -283,7 +284,7 @@ def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[s
     for name, policy in how.items():
         if name not in modules:
             key = "activation_checkpointing" if policy is None else "selective_checkpointing"
-            raise PlannerError(f"{key} names a module the model does not have: '{name}'")
+            raise PlannerError(f"{key} names a module the model does not have: '{printable_name(name)}'")
         modules[name].register_forward_pre_hook(_without_cache, with_kwargs=True)  # before checkpoint's hooks
         if policy is None and name not in compiled:
             checkpoint(modules[name], early_stop=early_stop)
@@ -318,7 +319,8 @@ def apply_offloading(model: nn.Module, names: list[str]) -> None:
     modules = dict(model.named_modules())
     unknown = next((n for n in names if n not in modules), None)
     if unknown is not None:
-        raise PlannerError(f"activation_offloading names a module the model does not have: '{unknown}'")
+        raise PlannerError(f"activation_offloading names a module the model does not have: "
+                           f"'{printable_name(unknown)}'")
     for name in names:
         _offload_forward(modules[name])
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from fsdp_planner.choices import ATTENTION_NAMES, OPTIMIZER_NAMES, PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import printable_name
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel, expert_parallel_from_dict
 from fsdp_planner.fsdp2.float8 import Float8, float8_from_dict
 from fsdp_planner.fsdp2.frozen import FrozenDict
@@ -477,8 +478,9 @@ def check_int_reshard_on_dim0(plan: Plan) -> None:
         on_dim1 = next((p for p in g.params if plan.shard_dims.get(p, 0) != 0), None)
         if not isinstance(g.reshard_after_forward, bool) and on_dim1 is not None:
             raise PlannerError(f"plan group {i} reshards to {g.reshard_after_forward} ranks after forward but holds "
-                               f"'{on_dim1}', sharded on dim {plan.shard_dims[on_dim1]}: FSDP2 supports an int "
-                               "reshard_after_forward for dim-0 sharding only; use true or false for this group")
+                               f"'{printable_name(on_dim1)}', sharded on dim {plan.shard_dims[on_dim1]}: FSDP2 "
+                               "supports an int reshard_after_forward for dim-0 sharding only; use true or false for "
+                               "this group")
 
 
 REDUCE_DTYPES = ("fp32", "bf16")  # choices.ReduceDtype's values

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import printable_name
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.fsdp2.tensor_parallel import matches
@@ -141,9 +142,9 @@ def check_forward_methods(plan: Plan, model: nn.Module) -> None:
 
     modules = dict(model.named_modules())
     for fqn, name in plan.forward_methods:
-        where = f"plan 'forward_methods' registers '{f'{fqn}.' if fqn else ''}{name}'"
+        where = f"plan 'forward_methods' registers '{printable_name(f'{fqn}.' if fqn else '')}{name}'"
         if fqn not in modules:
-            raise PlannerError(f"{where} but the model has no module '{fqn}'")
+            raise PlannerError(f"{where} but the model has no module '{printable_name(fqn)}'")
         if name.startswith("__") and name.endswith("__"):
             raise PlannerError(f"{where}, a special method: list the module's own methods that the step calls "
                                "(e.g. 'loss', 'generate'), never dunder names")
