@@ -226,6 +226,20 @@ def test_apply_plan_refusals_show_a_name_s_newline_escaped(edit, said):
     assert len(str(refused.value).splitlines()) == 1 and said in str(refused.value), str(refused.value)
 
 
+def test_a_plan_file_s_params_listed_in_a_refusal_stay_on_its_line(tmp_path, capsys):
+    """simulate and export list a plan's extra params (short_list): a newline in one split the line."""
+    plan = tmp_path / "plan.json"
+    assert cli.main(["plan", "toy-llama", "--policy", "titan", "--out", str(plan), "--quiet"]) == 0
+    data = json.loads(plan.read_text())
+    data["groups"][0]["params"].append("x\ny")
+    plan.write_text(json.dumps(data))
+    capsys.readouterr()
+    for command in (["simulate", "toy-llama", "--plan", str(plan), "--cluster", "h100:2"], ["export", str(plan)]):
+        assert cli.main(command) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "extra parameters: x\\ny" in err, err
+
+
 # -- the CLI: every command that prints a name from a file ------------------------------------------------------
 
 

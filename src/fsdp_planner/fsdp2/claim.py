@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import printable_name
 from fsdp_planner.fsdp2.checkpointing import check_checkpointing
 from fsdp_planner.fsdp2.dtypes import check_full_precision, check_uniform_dtypes, split_by_dtype, with_param_dtypes
 from fsdp_planner.fsdp2.input_casts import check_input_casts, with_cast_targets
@@ -46,8 +47,10 @@ def _split(param: str, first: int, second: int, trace: Trace) -> SplitParamError
 
 
 def short_list(names: Iterable[str], limit: int = 5) -> str:
+    """The first ``limit`` of ``names`` sorted, each on the message's one line (``printable_name``), and how many
+    more."""
     names = sorted(names)
-    head = ", ".join(names[:limit])
+    head = ", ".join(map(printable_name, names[:limit]))
     return head + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
