@@ -140,11 +140,13 @@ def _export_beside_apply_plan(spec: str, plan: Plan, fmt: ExportFormat = ExportF
     return made[0], made[1]
 
 
+@pytest.mark.parametrize("fmt", [ExportFormat.PYTHON, ExportFormat.TORCHTITAN])  # (its modules by torchtitan's names)
 @pytest.mark.parametrize("spec, groups", [
     ("nested_stem", [["stem.2", "stem"], ["stem.0"], ["head"]]),  # depths tie: the parent's group listed first
     ("shared_submodule", [["blocks.0"], ["proj"], ["blocks.1"]]),  # proj is blocks.0.proj too: shallower, first
 ])
-def test_exported_code_shards_nested_groups_in_apply_plan_s_order(spec: str, groups: list[list[str]]) -> None:
+def test_exported_code_shards_nested_groups_in_apply_plan_s_order(spec: str, groups: list[list[str]],
+                                                                   fmt: ExportFormat) -> None:
     """A group holding a module below another group's module is sharded first, by the module tree of the model the
     code is given (a shared submodule's every parent), as apply_plan orders it: sharded after its parent's group,
     its params were the parent's and fully_shard failed on the ranks ("Invariant encountered")."""
@@ -152,7 +154,7 @@ def test_exported_code_shards_nested_groups_in_apply_plan_s_order(spec: str, gro
     tr = record(lm.model, lm.example_inputs, lm.loss_fn)
     plan = make_plan(tr, groups, model=f"{FACTORIES}:{spec}")
     plan = plan.replace(groups=[*sorted(plan.inner_groups, key=lambda g: groups.index(list(g.modules))), plan.root])
-    exported, applied = _export_beside_apply_plan(f"{FACTORIES}:{spec}", plan)
+    exported, applied = _export_beside_apply_plan(f"{FACTORIES}:{spec}", plan, fmt)
     assert exported == applied
     hooked = {"nested_stem": "stem", "shared_submodule": "blocks.0"}[spec]
     assert exported[0][hooked] == sorted(plan.groups[0].params)
