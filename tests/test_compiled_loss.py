@@ -208,3 +208,14 @@ def build(batch_size=8):
 """)
     loss = trace_spec(ModelSpec(spec, compile_loss=True)).compiled_loss
     assert loss is not None and loss.inputs == 8 * 64 * 2 and loss.grads == loss.inputs  # bf16 h, its gradient
+
+
+def test_a_torchtitan_export_s_flags_give_the_components_as_tyro_takes_a_list():
+    """TORCHTITAN_FLAGS wrote the list as one value, "['loss']", which tyro reads as one component of that name."""
+    from fsdp_planner.apply.torchtitan_job import flags, job_settings
+    from fsdp_planner.sim.options import PRECISIONS
+
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])],
+                workload=Workload(1, 8192), compiled=("layers.0",), compiled_loss=True)
+    settings = job_settings(plan, PRECISIONS["bf16-mixed"])
+    assert ("--compile.components", "model", "loss") in flags(settings)

@@ -841,3 +841,13 @@ def test_auto_stops_early_beside_a_torchtitan_job_unless_told_not_to(tmp_path, c
     assert plans[()]["plan"].get("checkpoint_early_stop", True) is True
     assert plans[("--no-early-stop",)]["plan"]["checkpoint_early_stop"] is False
     assert plans[()]["config_step"] == plans[("--no-early-stop",)]["config_step"]  # (the job's own: the wrapper's)
+
+
+@pytest.mark.parametrize("components", ['["lossy"]', '"model,lossy"', "true"])
+def test_torchtitan_compile_components_are_its_names(tmp_path, components):
+    """A misspelled component compiled nothing, said as a note; a bare --compile.components flag (true) compiled
+    the model alone (a new user's findings): one error naming the value and torchtitan's names."""
+    with pytest.raises(PlannerError, match=r"compile\.components = .* is not a list of torchtitan's components "
+                                           r"\(\"model\" and \"loss\"\)"):
+        read_config(TORCHTITAN, str(titan(tmp_path, f'[compile]\nenable = true\ncomponents = {components}\n'
+                                                    '[activation_checkpoint]\nmode = "none"\n')))

@@ -337,6 +337,8 @@ def flags(settings: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
                 out.append((f"--{section}.{key}",))
             elif value is False:
                 out.append((f"--{section}.no_{key}",))
+            elif isinstance(value, list):  # tyro takes a list's items as values of their own
+                out.append((f"--{section}.{key}", *map(str, value)))
             else:
                 out.append((f"--{section}.{key}", str(value)))
     ac = settings["activation_checkpoint"]["class"]

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         _draw(views, png, page, f"{short_label(model_spec(args).label())} on {cluster.name}")
         reports = [(v.label, v.report) for v in views]
     verdict = _verdict(args, config is not None, tr, plans[0][1], reports[0][1], cluster, options, budget)
-    _show(args, reports, plans, verdict, cluster, options, budget, tp_note)
+    _show(args, reports, plans, verdict, cluster, options, budget, tp_note, tr.compiled_loss is not None)
     for path in filter(None, (png, page)) if not args.json else ():  # (the JSON document stays alone on stdout)
         render.plain(f"timeline written to {path}")
     return 0
@@ -99,9 +99,10 @@ def _tp_note(args: argparse.Namespace) -> str | None:
 
 def _show(args: argparse.Namespace, reports: list[tuple[str, StepReport]], plans: list[tuple[str, Plan]],
           verdict: str | None, cluster: Cluster, options: SimOptions, budget: MemoryBudget,
-          tp_note: str | None = None) -> None:
+          tp_note: str | None = None, loss_compiled: bool = False) -> None:
     """The steps' figures: one JSON document, or the verdict first, then each step's lines and memory table;
-    ``tp_note``: said first."""
+    ``tp_note``: said first; ``loss_compiled``: the step's loss is compiled (a model computing its loss in its
+    forward has none to compile, whatever ``--compile-loss`` said)."""
     if tp_note is not None:
         render.note(tp_note)
     if args.json:
@@ -118,7 +119,7 @@ def _show(args: argparse.Namespace, reports: list[tuple[str, StepReport]], plans
     for (label, r), (_, p) in zip(reports, plans, strict=True):
         # what changes the step beyond the grouping: compiled blocks, float8 matmuls
         label += ", blocks compiled" if model_spec(args).compile else ""
-        label += ", loss compiled" if model_spec(args).compile_loss else ""
+        label += ", loss compiled" if loss_compiled else ""
         float8 = options.float8 or p.float8  # the command line's, or the plan file's own (plan_options)
         label += f", {float8.describe()}" if float8 else ""
         # torchtitan's wrapper (its jobs), --no-early-stop or a plan file's own: recomputation re-runs the block

@@ -179,7 +179,7 @@ def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | 
         plan_for = request.plan_cluster.name if request.plan_for and request.plan_cluster else None
         print(json_text({**result.to_dict(), "cluster": predict_on.name if predict_on else None,
                          "plan_for": plan_for, "plan_model": request.plan_model.name if request.plan_model else None,
-                         "compiled": list(plan.compiled)}, indent=2))
+                         "compiled": list(plan.compiled), "compiled_loss": request.model.compile_loss}, indent=2))
         return
     given = request.cluster.name if request.cluster else None  # only whether one was given is read when not used
     render.console.print(render.verify_table(result, predict_on.name if predict_on else given))
@@ -187,6 +187,8 @@ def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | 
         differ = sorted(set(result.units) ^ set(result.expected_units or []))
         verdict = "exactly the plan's groups" if result.units_match else f"NOT the plan's groups: {differ}"
         render.plain(f"FSDP1 units: {len(result.units)} wrapped, {verdict}")  # module names
+    if request.model.compile_loss:
+        render.note("the ranks ran the loss torch.compile'd (--compile-loss), as the prediction holds it")
     for note in result.notes:
         render.plain(f"note: {note}")
     render.console.print("[green]PASS[/green]" if result.ok else "[red]FAIL[/red]")

@@ -141,7 +141,7 @@ KEY_NAMES = {
                  "replicate": "parallelism.data_parallel_replicate_degree",
                  "shard": "parallelism.data_parallel_shard_degree", "offload": "training.enable_cpu_offload",
                  "policy": "(the grouping)", "compile": "compile.enable",
-                 "compile_loss": "compile.components (\"loss\")",
+                 "compile_loss": "compile.enable with \"loss\" in compile.components",
                  "early_stop": "activation_checkpoint.early_stop"},
     ACCELERATE: {"ac": "fsdp_config.fsdp_activation_checkpointing",
                  "reshard": "fsdp_config.fsdp_reshard_after_forward",
@@ -296,10 +296,8 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
         cfg.async_tp = _bool(cfg, "compile.enable_async_tensor_parallel",
                              _table(cfg, data, "compile")["enable_async_tensor_parallel"])
     compile_on = _table(cfg, data, "compile").get("enable") or _table(cfg, data, "training").get("compile")
-    components = _table(cfg, data, "compile").get("components", ["model", "loss"])  # CompileConfig's default
-    if isinstance(components, str):  # a flag's value (--compile.components loss, or model,loss, or ["loss"])
-        components = re.findall(r"[A-Za-z_]+", components)
-    if compile_on and isinstance(components, list) and "model" not in components:
+    components = _components(cfg, _table(cfg, data, "compile").get("components", ["model", "loss"]))
+    if compile_on and "model" not in components:
         cfg.notes.append(f"compile.components = {shown_json(components)} compiles no part of the model: its blocks "
                          "are simulated eager")
     elif compile_on:  # torchtitan compiles each transformer block (fullgraph): --compile
@@ -307,7 +305,7 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
         cfg.compile = cfg.keys[key] = _bool(cfg, key, compile_on)
     # the loss compiled (--compile-loss): compile.components, whose default holds it; the older training.compile
     # compiled the model alone
-    if _table(cfg, data, "compile").get("enable") and isinstance(components, list) and "loss" in components:
+    if _table(cfg, data, "compile").get("enable") and "loss" in components:
         cfg.compile_loss = True
     _check_async_tp(cfg, _table(cfg, data, "compile"))
     _titan_float8(cfg, data)
@@ -315,6 +313,20 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     if _table(cfg, data, "mx"):
         cfg.notes.append("[mx] (MX formats) is left out: fsdp-planner simulates those matmuls in the mixed "
                          "precision's dtype")
+
+
+COMPILE_COMPONENTS = ("model", "loss")  # what torchtitan's compile.components names (CompileConfig)
+
+
+def _components(cfg: JobConfig, value: Any) -> list[str]:
+    """``compile.components`` as a list of torchtitan's names: a flag's value (``--compile.components loss``,
+    ``model,loss``, ``["loss"]``) or the file's list; anything else one error (a misspelled name compiled nothing,
+    said as a note, and a bare flag compiled the model alone)."""
+    items = re.findall(r"[^\s,\[\]'\"]+", value) if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) and v in COMPILE_COMPONENTS for v in items):
+        raise PlannerError(f"{cfg.kind} config '{cfg.path}': compile.components = {shown_json(value)} is not a list "
+                           f"of torchtitan's components ({' and '.join(map(shown_json, COMPILE_COMPONENTS))})")
+    return items
 
 
 def _unknown_key(cfg: JobConfig, section: str, key: str, known: set[str]) -> None:
@@ -333,8 +345,7 @@ def _check_async_tp(cfg: JobConfig, compile_table: dict[str, Any]) -> None:
     (torchtitan/distributed/tensor_parallel.py), called where TP is on, raises "Async TP requires 'model' in
     --compile.components and --compile.enable" unless ``compile.enable and "model" in compile.components``
     (components' default holds "model"): the overlap is an inductor pass over the compiled model."""
-    components = compile_table.get("components", ["model"])
-    model_compiled = cfg.compile and (not isinstance(components, list) or "model" in components)
+    model_compiled = cfg.compile and "model" in _components(cfg, compile_table.get("components", ["model"]))
     if cfg.async_tp and cfg.tp > 1 and not model_compiled:
         raise PlannerError(f"{cfg.kind} config '{cfg.path}' turns on enable_async_tensor_parallel without compiling "
                            "the model, which torchtitan refuses (async TP needs compile.enable = true with \"model\" "

@@ -715,8 +715,9 @@ def _loss(value: Any, notes: list[str]) -> None:
         shown = f"{chunks}" if type(chunks) is int else "its"
         notes.append(f"loss = ChunkedLossWrapper ({shown} chunks of the sequence, each running the output layer "
                      "and the loss with its own backward) is simulated as one cross-entropy over the whole "
-                     "sequence: the loss's peak (the whole logits and their fp32 copies) is over-counted, up to "
-                     f"{shown}-fold, and the output layer's {shown} reduce-scatters a step counted as one")
+                     "sequence: the loss's peak (the whole sequence's logits, and what the loss makes of them) is "
+                     f"over-counted, up to {shown}-fold, and the output layer's {shown} reduce-scatters a step "
+                     "counted as one")
         return
     shown = value.name if isinstance(value, Call) else cut_short(str(value))
     notes.append(f"loss = {shown_json(shown)[1:-1]} is simulated as torchtitan's CrossEntropyLoss over the whole "

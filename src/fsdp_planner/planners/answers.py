@@ -288,17 +288,18 @@ def compile_loss_answer(other: Trace, plan: Plan, cluster: Cluster, options: Sim
                         budget: MemoryBudget) -> Finding | None:
     """The plan's step on ``other``, the same model traced with its loss compiled (or eager, for a trace that
     compiles it), against ``base``. What a compiled loss buys is memory (the logits' fp32 copies): room that auto,
-    planning with it, spends on less checkpointing or fewer groups."""
+    planning with it, spends on less checkpointing or fewer groups; None where it frees under ``LOSS_MEMORY_PAYS``
+    of the peak and is not faster (the loss is not the plan's peak)."""
     alt = _step(other, plan, cluster, options)
     if alt is None:
         return None
     if other.compiled_loss is not None:
-        what = f"torch.compile of the loss (--compile-loss): {_versus(base, alt, budget)}"
         freed = 1 - alt.reserved_memory / base.reserved_memory if base.reserved_memory else 0.0
+        if freed < LOSS_MEMORY_PAYS and not _pays(base, alt, budget):
+            return None  # (the loss is not the plan's peak: nothing to say)
+        what = f"torch.compile of the loss (--compile-loss): {_versus(base, alt, budget)}"
         fix = (f"compile the loss (loss_fn = torch.compile(loss_fn); torchtitan's compile.components \"loss\") and "
-               f"plan with --compile-loss: {freed:.0%} of the peak freed for auto to spend"
-               if freed >= LOSS_MEMORY_PAYS or _pays(base, alt, budget)
-               else "the loss is not this plan's peak: compiling it frees little here")
+               f"plan with --compile-loss: {freed:.0%} of the peak freed for auto to spend")
     else:
         what = f"the same plan with the loss eager (no torch.compile): {_versus(base, alt, budget)}"
         fix = ("keep the loss compiled: eager, the plan is over the budget" if not budget.fits(alt.reserved_memory)
