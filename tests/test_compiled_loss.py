@@ -219,3 +219,27 @@ def test_a_torchtitan_export_s_flags_give_the_components_as_tyro_takes_a_list():
                 workload=Workload(1, 8192), compiled=("layers.0",), compiled_loss=True)
     settings = job_settings(plan, PRECISIONS["bf16-mixed"])
     assert ("--compile.components", "model", "loss") in flags(settings)
+
+
+def test_a_loss_that_does_not_compile_whole_is_simulated_eager_with_a_note(tmp_path):
+    """A loss reading a value back to the host (``.item()``) breaks torch.compile's graph: it ran in pieces, and the
+    command refused it; now it is simulated eager (at least what the pieces hold), said in a note."""
+    spec = _factory(tmp_path, """class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def build(batch_size=4):
+    def loss(out):
+        value = out.float().pow(2).mean()
+        return value * 2 if value.item() > 100 else value
+
+    return M(), (torch.randn(batch_size, 64),), loss
+""")
+    notes: list[str] = []
+    tr = trace_spec(ModelSpec(spec, compile_loss=True), note=notes.append)
+    assert tr.compiled_loss is None and any("does not compile as one graph" in n for n in notes), notes

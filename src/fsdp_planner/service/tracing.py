@@ -74,11 +74,19 @@ def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list
         note(f"--compile-loss: '{spec}' computes its loss in its forward (nothing runs between its output and its "
              "loss): the loss is traced as the forward runs it, eager")
         return tr
+    from torch._dynamo.exc import Unsupported, UserError
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
     try:
         loss = record_compiled_loss(lm.model, lm.loss_fn or default_loss, given[0], precision.trace_dtype,
                                     tr.full_precision)
     except PlannerError:
         raise
+    except (Unsupported, UserError, GuardOnDataDependentSymNode) as e:  # a graph break: torch.compile runs the
+        # loss in pieces, eager between them; eager whole holds at least as much
+        note(f"--compile-loss: the loss of '{spec}' does not compile as one graph ({compile_error(e)}): it is "
+             "simulated eager, which holds at least what torch.compile's pieces would")
+        return tr
     except Exception as e:
         raise PlannerError(f"--compile-loss: AOTAutograd could not trace the loss of '{spec}' "
                            f"({compile_error(e)}); plan it without --compile-loss") from e
