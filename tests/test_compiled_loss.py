@@ -243,3 +243,13 @@ def build(batch_size=4):
     notes: list[str] = []
     tr = trace_spec(ModelSpec(spec, compile_loss=True), note=notes.append)
     assert tr.compiled_loss is None and any("does not compile as one graph" in n for n in notes), notes
+
+
+def test_a_python_export_says_the_plan_compiles_its_loss():
+    """The export applies the plan to the model; the loss is the user's: the file says the plan's memory is of the
+    loss compiled (it was said on the terminal only: a trial's finding)."""
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])],
+                compiled_loss=True)
+    source = export_plan(plan, ExportFormat.PYTHON)
+    assert "COMPILED_LOSS: bool = True" in source and "torch.compile(loss_fn)" in source
+    assert "COMPILED_LOSS: bool = False" in export_plan(plan.replace(compiled_loss=False), ExportFormat.PYTHON)

@@ -403,6 +403,8 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
     lines.append(f"CHECKPOINT_EARLY_STOP: bool = {py_literal(plan.checkpoint_early_stop)}  # False: each checkpointed "
                  "forward runs again whole in backward")
     lines.append(f"COMPILED: list[str] = {py_literal(list(plan.compiled))}")
+    lines.append(f"COMPILED_LOSS: bool = {py_literal(plan.compiled_loss)}  # True: the plan's memory is of the loss "
+                 "torch.compile'd: run yours as loss_fn = torch.compile(loss_fn)")
     lines.append(f"FORWARD_METHODS: list[tuple[str, str]] = {py_literal([tuple(m) for m in plan.forward_methods])}")
     lines.append(f"FORWARD_PREFETCH: dict[int, list[int]] = {py_literal(fwd)}")
     lines.append(f"BACKWARD_PREFETCH: dict[int, list[int]] = {py_literal(bwd)}")
