@@ -117,6 +117,11 @@ def ep_in_compiled_block(module: str, block: str) -> str:
             f"'{block}' that --compile compiles whole, where FSDP2's hooks cannot run (Dynamo refuses them)")
 
 
+# the way out of ``ep_in_compiled_block``, for a command line or a torchtitan job alike
+EP_COMPILED_FIX = ("plan EP with the blocks eager (--compile off; a torchtitan job: compile.components without "
+                   "\"model\", as its DeepSeek-V3 jobs with EP run), or the blocks compiled without EP")
+
+
 def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
     """Refuse a group listing a module inside a block compiled whole (``inside_compiled``): FSDP2's hooks on it
     would run inside the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped")."""
@@ -125,8 +130,7 @@ def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
         i, module, block = inside
         ep = plan.expert_parallel
         if ep is not None and any(matches(p, module) for p in ep.modules):  # a grouping EP makes, not the user
-            raise PlannerError(f"{ep_in_compiled_block(module, block)}: plan EP without --compile, or --compile "
-                               "without --ep (torchtitan's MoE jobs with EP compile the loss only)")
+            raise PlannerError(f"{ep_in_compiled_block(module, block)}: {EP_COMPILED_FIX}")
         raise PlannerError(f"group {i} lists '{module}', inside the block '{block}' that --compile compiles whole: "
                            "FSDP2's hooks cannot run inside a compiled graph (Dynamo refuses them); group whole "
                            "blocks, plan without --compile, or keep such a module in an fp32 group of its block "

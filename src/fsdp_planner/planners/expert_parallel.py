@@ -16,7 +16,7 @@ from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.expert_groups import with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
-from fsdp_planner.fsdp2.validity import ep_in_compiled_block
+from fsdp_planner.fsdp2.validity import EP_COMPILED_FIX, ep_in_compiled_block
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf
 from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS, UNPRICED_EP
@@ -109,7 +109,7 @@ def runs_ep(model: ModelSpec, trace: Trace, tp_degree: int) -> bool:
 def compiled_experts(trace: Trace) -> tuple[str, str] | None:
     """The first expert module inside a block ``--compile`` compiles whole, and that block (None: none is). EP
     gives each expert module an FSDP group of its own, whose hooks cannot run inside a compiled graph
-    (``check_compiled_groups``); torchtitan's MoE jobs that run EP compile the loss only (deepseek_v3's
+    (``check_compiled_groups``); torchtitan's DeepSeek-V3 jobs that run EP compile the loss only (its
     config_registry, 2026)."""
     blocks = set(trace.compiled)
     return next(((m, b) for m in expert_modules(trace) for b in proper_ancestors(m) if b in blocks), None) \
@@ -173,8 +173,7 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
     if not experts:
         raise PlannerError(no_experts(trace))
     if (compiled := compiled_experts(trace)) is not None:
-        raise PlannerError(f"{ep_in_compiled_block(*compiled)}: plan EP without --compile, or --compile without "
-                           "--ep (torchtitan's MoE jobs with EP compile the loss only)")
+        raise PlannerError(f"{ep_in_compiled_block(*compiled)}: {EP_COMPILED_FIX}")
     check_ep_applies(trace)
     tp = plan.tp_degree
     if tp > 1 and degree % tp:
