@@ -126,7 +126,8 @@ def test_calibration_fits_a_line_real_fsdp2_follows():
         # full-suite run of 12-01, 5.2x alone right after): measured again, longer
         m = measure_overhead(torch.device("cpu"), rounds=6)
     assert [p.hooks for p in m.plans] == [4 * p.groups for p in m.plans]
-    # 256 groups against one: over 2x on an idle host, 1.87x once in a full-suite run beside other jobs
+    # 256 groups against one: over 4x on an idle host (the thread's CPU time); by the wall clock 1.87x and 1.17x
+    # in full-suite runs beside other jobs, before the CPU was timed by CPU time
     assert m.plans[-1].seconds > 1.25 * m.plans[0].seconds
     o = m.overhead
     assert o.hook_seconds > 0 and o.op_seconds > 0 and o.param_seconds >= 0
