@@ -166,10 +166,12 @@ def check_model_runs_ep(model: ModelSpec, plan: Plan, modules: dict[str, nn.Modu
 
 
 def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None,
-                  offload_policy: Any = None) -> Plan:
+                  offload_policy: Any = None) -> tuple[Plan, dict[int, Any]]:
     """``plan``'s expert modules distributed over ``ep`` and each ``fully_shard``-ed alone over the EP-reduced mesh
     (module docstring), both out of the ranks of the data-parallel ``mesh`` the rest is sharded over; returns the
-    rest of the plan (no EP, no expert groups). The expert modules must be groups alone."""
+    rest of the plan (no EP, no expert groups) and, for a plan with ``per_param_mesh``, where its block's call must
+    place each expert param instead of sharding the experts alone (``id(param)`` -> ``ShardPlacementResult``:
+    ``with_expert_placements``). The expert modules must be groups alone."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_module
 
@@ -178,7 +180,8 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
     modules = dict(model.named_modules())
     experts = plan.expert_parallel.experts(modules)
     alone = {g.modules[0]: g for g in plan.groups if len(g.modules) == 1}
-    missing = [name for name in experts if name not in alone]
+    per_param = plan.expert_parallel.per_param_mesh  # (expert groups of several modules: one call's param group)
+    missing = [] if per_param else [name for name in experts if name not in alone]
     if missing:
         raise PlannerError(f"expert module {missing[0]} is not a group of its own: expert parallelism shards it over "
                            "the EP-reduced mesh (fsdp2/expert_groups.with_expert_groups makes such a plan)")
@@ -187,11 +190,16 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
     mp, offload = plan_policies(plan, mp_policy, offload_policy)
     split = plan.tp_degree  # EP x TP: each TP rank dispatches its 1/TP of the routed tokens (TPStyle.TOKEN_SPLIT)
     own_batch = one_rank_mesh(ep) if any(is_transformers_module(modules[n]) for n in experts) else None
+    mesh_info = _mesh_info(dp_mod_ep) if per_param else None
+    placements: dict[int, Any] = {}
     for name in experts:
         if is_transformers_module(modules[name]):  # routes inside its forward: transformers' own EP
             distribute_experts(modules[name], ep, own_batch)
         else:
             distribute_module(modules[name], ep, _shard_experts, *_hooks(split))
+        if mesh_info is not None:  # sharded by its block's fully_shard call, on the EP-reduced mesh
+            placements.update(_per_param_placements(modules[name], name, plan, mesh_info))
+            continue
         fully_shard(modules[name], mesh=dp_mod_ep, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_arg(alone[name].reshard_after_forward, shard),
                     shard_placement_fn=_expert_placement(modules[name], name, plan))
@@ -202,7 +210,56 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
         # FSDP2 divides its copy already and would divide again)
         if shard > 1 and dist.get_backend(ep.get_group()) == "gloo":
             modules[name].set_force_sum_reduction_for_comms(True)
-    rest = plan.replace(groups=[g for g in plan.groups if g.modules[0] not in experts or len(g.modules) > 1],
+    rest = plan.replace(groups=[g for g in plan.groups if not set(g.modules) <= set(experts)],
                         expert_parallel=None, shard_dims={k: d for k, d in plan.shard_dims.items()
                                                           if k.rpartition(".")[0] not in experts})
-    return rest
+    return rest, placements
+
+
+def _mesh_info(mesh: Any) -> Any:
+    """The FSDPMeshInfo FSDP2 itself makes for ``mesh`` (its private ``_get_mesh_info``, which torchtitan's
+    ``apply_fsdp`` calls too): one object for every expert param, as FSDP2 wants for params of one process group."""
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+
+    return _get_mesh_info(mesh)
+
+
+def _per_param_placements(module: nn.Module, name: str, plan: Plan, mesh_info: Any) -> dict[int, Any]:
+    """Each of the expert module's params -> torch's ``ShardPlacementResult``: its shard dim (``_expert_placement``)
+    on the EP-reduced mesh (``mesh_info``), as torchtitan's ``apply_fsdp`` places them."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+
+    dim = _expert_placement(module, name, plan)
+    return {id(p): ShardPlacementResult(placement=dim(p) if dim else None, mesh_info=mesh_info)
+            for p in module.parameters()}
+
+
+def with_expert_placements(placement: Any, experts: dict[int, Any]) -> Any:
+    """``fully_shard(shard_placement_fn=...)`` placing the expert params as ``experts`` says (``shard_experts``)
+    and the others as ``placement`` (None: FSDP2's Shard(0) on the call's mesh)."""
+    if not experts:
+        return placement
+    return lambda param: experts.get(id(param)) or (placement(param) if placement is not None else None)
+
+
+def set_expert_reduction(model: nn.Module, plan: Plan, dp_world: int) -> None:
+    """For experts sharded in their block's call: the block's gradient divide factor (every param group of its
+    state) as ``shard_experts`` sets an expert module's own: the whole data-parallel world (an expert's grad sums
+    the tokens of every EP rank too; the block's other params are divided by that world by default already),
+    ``dp_world`` ranks (TP ranks share a batch)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if plan.expert_parallel is None or not plan.expert_parallel.per_param_mesh:
+        return
+    modules = dict(model.named_modules())
+    for name in plan.expert_parallel.experts(modules):
+        host = name
+        while not isinstance(modules[host], FSDPModule):
+            host = host.rpartition(".")[0]
+        modules[host].set_gradient_divide_factor(float(dp_world))
+        if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM: SUM, then a local divide, as for an expert
+            # module's own call; but not for a param group over one shard rank, where FSDP2 divides its copy
+            # already and would divide again. FSDPModule's setter sets every param group of the call alike, so
+            # each is set on its own (FSDP2's private state: only this gloo check needs it)
+            for group in modules[host]._get_fsdp_state()._fsdp_param_groups:
+                group.force_sum_reduction_for_comms = group.mesh_info.shard_mesh_size > 1

@@ -242,6 +242,7 @@ def _dtype(dtype: torch.dtype | None) -> str:
     return "None" if dtype is None else str(dtype)
 
 
+ROOT_SHARD_END = "    fully_shard(model, mesh=mesh, reshard_after_forward=ROOT_RESHARD_AFTER_FORWARD, **fsdp_kwargs)\n"
 GROUP_SHARD = ("        fully_shard(targets[i] if len(targets[i]) > 1 else targets[i][0], mesh=mesh, "
                "reshard_after_forward=reshard,\n                    **fsdp_kwargs)\n")
 # plans with fp32 groups only (Group.param_dtype): those groups get their own policy
@@ -977,6 +978,40 @@ EP_SPLIT = """    mesh, expert_mesh, ep_mesh = split_expert_mesh(mesh)  # EP: th
             if expert_mesh.size(expert_mesh.ndim - 1) > 1 and dist.get_backend(ep_mesh.get_group()) == "gloo":
                 modules[names[0]].set_force_sum_reduction_for_comms(True)
 """
+# a plan whose experts are sharded in their blocks' calls (ExpertParallel.per_param_mesh, torchtitan's since
+# pytorch/torchtitan#2281): distributed over ep here, then placed on their own mesh by each call's shard_placement_fn
+EP_PER_PARAM_SPLIT = """    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+
+    mesh, expert_mesh, ep_mesh = split_expert_mesh(mesh)  # EP: the experts first, on meshes of their own
+    expert_divide_factor = float(mesh.size() // EP_TOKEN_SPLIT)  # all data-parallel ranks (TP's share a batch)
+    expert_mesh_info = _get_mesh_info(expert_mesh)  # FSDP2's own, one for every expert param (torchtitan's way)
+    placed = {}
+    for name in EXPERTS:  # over ep, then placed on the ranks that hold the same experts by their block's call
+        expert_parallel(modules[name], ep_mesh)
+        dims = expert_placement(modules[name], name)
+        placed.update({id(p): ShardPlacementResult(dims(p) if dims else None, expert_mesh_info)
+                       for p in modules[name].parameters()})
+    placement = fsdp_kwargs["shard_placement_fn"]
+    fsdp_kwargs["shard_placement_fn"] = lambda p: placed.get(id(p)) or (placement(p) if placement else None)
+"""
+EP_PER_PARAM_REDUCTION = """    _expert_reduction(modules, expert_divide_factor)
+"""
+EP_PER_PARAM_TAIL = '''
+
+def _expert_reduction(modules: dict[str, nn.Module], dp_world: float) -> None:
+    """The experts' grads sum every EP rank's tokens: the calls sharding them average over all data-parallel ranks
+    (their blocks' other params by default already). gloo has no PREMUL_SUM: SUM, then divide, but not for a param
+    group over one shard rank, where FSDP2 divides its copy already (set per param group: FSDP2's private state)."""
+    for name in EXPERTS:
+        host = name
+        while not isinstance(modules[host], FSDPModule):
+            host = host.rpartition(".")[0]
+        modules[host].set_gradient_divide_factor(dp_world)
+        if dist.get_backend() == "gloo":
+            for group in modules[host]._get_fsdp_state()._fsdp_param_groups:
+                group.force_sum_reduction_for_comms = group.mesh_info.shard_mesh_size > 1
+'''
 GROUP_LINE = "        names, reshard = GROUPS[i]\n"
 EP_SKIP = """        if names[0] in EXPERTS:  # sharded above
             continue
@@ -996,13 +1031,13 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
     check_no_prefetch(plan)
     if plan.tp_degree > 1 and hf.is_hf(plan.model):
         raise PlannerError(f"{plan.model}: {NO_EP_TP}; export a plan without expert parallelism or without TP")
-    experts = [g.modules[0] for g in plan.inner_groups if len(g.modules) == 1
-               and any(matches(p, g.modules[0]) for p in ep.modules)]
+    experts = [m for g in plan.inner_groups if (len(g.modules) == 1 or ep.per_param_mesh)
+               and all(any(matches(p, m) for p in ep.modules) for m in g.modules) for m in g.modules]
     if not experts:
         raise PlannerError("the plan's expert-parallel modules are not groups of their own: expert parallelism "
                            "shards each over the EP-reduced mesh (fsdp2/expert_groups.with_expert_groups)")
     modules_line = "    modules = dict(model.named_modules())\n"
-    split = EP_SPLIT
+    split = EP_PER_PARAM_SPLIT if ep.per_param_mesh else EP_SPLIT
     if plan.tp_degree > 1:  # the experts over the whole mesh first (as apply_plan: TP's styles replicate every
         # param not yet distributed), then TP, then the other groups over the mesh's dp dims
         assert TP_APPLY_LINE + TP_SPLIT in body
@@ -1010,6 +1045,9 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
         split += TP_SPLIT
     body = body.replace(modules_line, modules_line + split, 1).replace(GROUP_LINE, GROUP_LINE + EP_SKIP, 1)
     tail = EP_TAIL + EP_EXPERTS
+    if ep.per_param_mesh:
+        body = body.replace(ROOT_SHARD_END, ROOT_SHARD_END + EP_PER_PARAM_REDUCTION, 1)
+        tail += EP_PER_PARAM_TAIL
     return constants + EP_CONSTANTS.format(degree=py_literal(ep.degree), experts=py_literal(experts),
                                            split=py_literal(plan.tp_degree)), body + tail
 

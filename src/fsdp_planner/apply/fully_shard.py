@@ -8,7 +8,12 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_planner.apply.compile import apply_compile
-from fsdp_planner.apply.expert_parallel import check_experts_run, shard_experts
+from fsdp_planner.apply.expert_parallel import (
+    check_experts_run,
+    set_expert_reduction,
+    shard_experts,
+    with_expert_placements,
+)
 from fsdp_planner.apply.float8 import apply_float8
 from fsdp_planner.apply.policies import plan_policies, reshard_arg
 from fsdp_planner.apply.tensor_parallel import apply_tp, split_mesh
@@ -110,14 +115,17 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         mesh = device_mesh(plan, device_type, dist.get_world_size())
     expert_parallel = plan.expert_parallel is not None  # the experts first, on meshes of their own (before TP)
-    plan = shard_experts(model, plan, mesh, mp_policy, offload_policy) if expert_parallel else plan
+    ep_plan, dp_world = plan, mesh.size() // plan.tp_degree  # (for experts sharded in their blocks' calls)
+    plan, experts_placed = shard_experts(model, plan, mesh, mp_policy, offload_policy) if expert_parallel \
+        else (plan, {})
     mesh, tp_mesh = split_mesh(mesh, plan)
     world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
     apply_float8(model, plan.float8)  # before TP and fully_shard, as torchtitan's converter
     if plan.tensor_parallel is not None:
         apply_tp(model, plan.tensor_parallel, tp_mesh, expert_parallel,
                  plan.float8 is not None and plan.float8.tp_float8_all_gather)
-    placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, after TP made its params
+    placement = with_expert_placements(shard_placement_fn(model, plan, world), experts_placed)  # by the names the
+    # plan knows, after TP made its params; experts on a per-param mesh by their params' ids
     own_checkpointing_off(model)  # transformers' own: the plan's, before fully_shard as torchtitan's, replaces it
     apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing, plan.compiled,
                         plan.checkpoint_early_stop)
@@ -138,6 +146,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
                     reshard_after_forward=reshard_arg(g.reshard_after_forward, world), **own)
     # the root's reshard_after_forward is given explicitly (False by default, what FSDP2 2.8+ infers from None)
     fully_shard(model, reshard_after_forward=reshard_arg(plan.root.reshard_after_forward, world), **kwargs)
+    set_expert_reduction(model, ep_plan, dp_world)
     for fqn, name in plan.forward_methods:  # after fully_shard: it wraps with the module's FSDP state's hooks
         register_fsdp_forward_method(modules[fqn], name)
     # a group's FSDP module: its first module that fully_shard hooked (a listed module below another gets no state)

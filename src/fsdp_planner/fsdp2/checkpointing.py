@@ -240,15 +240,33 @@ def recomputed_spans(trace: Trace, plan: Plan) -> dict[int, tuple[int, int]]:
     return memo[key]
 
 
-def _recomputed_spans(trace: Trace, planned: tuple[str, ...], offloaded: tuple[str, ...], stops: bool
-                      ) -> dict[int, tuple[int, int]]:
-    """``stops``: the plan's checkpoints stop early (the model's own regions do, as torch's default)."""
+def recreated_at(trace: Trace, plan: Plan) -> frozenset[int]:
+    """The pre-backwards of the checkpointed calls whose forward runs again (``recomputed_spans``'): where the
+    simulator re-creates their saved activations (``sim/recompute.py``), after FSDP2's hooks there have copied out
+    and freed their all-gathers (``fsdp2/replay.py``)."""
+    key = ("recreated_at", plan.activation_checkpointing, tuple(plan.selective_checkpointing),
+           plan.activation_offloading, plan.checkpoint_early_stop)
+    memo = trace.index.memo
+    if key not in memo:
+        memo[key] = frozenset(c[2] for c in _checkpointed(trace, key[1] + key[2], plan.activation_offloading,
+                                                          plan.checkpoint_early_stop))
+    return memo[key]
+
+
+def _checkpointed(trace: Trace, planned: tuple[str, ...], offloaded: tuple[str, ...], stops: bool
+                  ) -> list[tuple[int, int, int, int, bool]]:
+    """The checkpointed calls whose forward runs again: their four boundaries and whether they stop early."""
     own = own_calls(trace, (*planned, *offloaded))
     mine = {(c.module, c.call) for c in own}
     calls = [(*b[1:], stops) for m in planned for b in backward_calls(trace, m) if (m, b[0]) not in mine]
-    calls += [(*r[2:6], True) for r in own_regions(trace, own)]
+    return calls + [(*r[2:6], True) for r in own_regions(trace, own)]
+
+
+def _recomputed_spans(trace: Trace, planned: tuple[str, ...], offloaded: tuple[str, ...], stops: bool
+                      ) -> dict[int, tuple[int, int]]:
+    """``stops``: the plan's checkpoints stop early (the model's own regions do, as torch's default)."""
     out = {}
-    for fwd_pre, fwd_post, bwd_pre, bwd_post, stopping in calls:
+    for fwd_pre, fwd_post, bwd_pre, bwd_post, stopping in _checkpointed(trace, planned, offloaded, stops):
         stop = early_stop(trace, fwd_pre, fwd_post)
         out[recomputed_at(trace, stop, fwd_post, bwd_pre, bwd_post)] = (fwd_pre, stop if stopping else fwd_post)
     return out

@@ -28,7 +28,7 @@ from fsdp_planner.userfiles import shown_json
 
 MAX_EXPERT_PATTERNS = 10_000
 MAX_SKEW = 1024.0
-EP_KEYS = ("degree", "modules", "skew")
+EP_KEYS = ("degree", "modules", "skew", "per_param_mesh")
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,16 @@ class ExpertParallel:
     """The EP part of a plan: ``degree`` ranks in an EP group and the expert modules (name patterns) it shards.
     ``skew``: the tokens the busiest EP rank's experts process over a balanced router's share (1: balanced, as the
     routing stand-in dispatches; at most ``degree``: every routed token on one rank) -- the rank the step waits
-    for."""
+    for. ``per_param_mesh``: the experts' params are sharded in their block's ``fully_shard`` call, on the EP-reduced
+    mesh by ``shard_placement_fn`` (torch's ``ShardPlacementResult``; FSDP2 makes them a second param group of the
+    block's state, gathered and reduced at the block's hooks), as torchtitan does since pytorch/torchtitan#2281
+    (March 2026); False: each expert module ``fully_shard``-ed alone, with hooks of its own, as before it. Either
+    way the plan lists the experts' params as a group of their own (``expert_groups.py``)."""
 
     degree: int
     modules: tuple[str, ...] = ()
     skew: float = 1.0
+    per_param_mesh: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.modules, tuple):
@@ -66,9 +71,13 @@ class ExpertParallel:
         d: dict[str, Any] = {"degree": self.degree, "modules": list(self.modules)}
         if self.skew != 1.0:
             d["skew"] = self.skew
+        if self.per_param_mesh:  # absent: the experts' own fully_shard calls, as plans written before it
+            d["per_param_mesh"] = True
         return d
 
     def signature(self) -> tuple:
+        """What a trace's EP view depends on: where the experts' params are gathered is the replay's, not the
+        view's."""
         return self.degree, self.modules, self.skew
 
 
@@ -80,6 +89,10 @@ def expert_parallel_from_dict(data: Any) -> ExpertParallel | None:
         raise PlannerError(f"plan 'expert_parallel' must be an object with the keys {', '.join(EP_KEYS)} (degree "
                            f"and modules required), got {shown_json(data)}")
     degree, modules, skew = data.get("degree"), data.get("modules"), data.get("skew", 1.0)
+    per_param_mesh = data.get("per_param_mesh", False)
+    if not isinstance(per_param_mesh, bool):
+        raise PlannerError(f"plan 'expert_parallel.per_param_mesh' must be true or false, got "
+                           f"{shown_json(per_param_mesh)}")
     if isinstance(degree, bool) or not isinstance(degree, int) or not 1 <= degree <= MAX_EP_DEGREE:
         raise PlannerError(f"plan 'expert_parallel.degree' must be a whole number from 1 to {MAX_EP_DEGREE}, got "
                            f"{shown_json(degree)}")
@@ -96,4 +109,4 @@ def expert_parallel_from_dict(data: Any) -> ExpertParallel | None:
     if len(set(modules)) != len(modules):
         twice = next(m for i, m in enumerate(modules) if m in modules[:i])
         raise PlannerError(f"plan 'expert_parallel.modules' names {shown_json(twice)} twice: name each once")
-    return ExpertParallel(degree, tuple(modules), float(skew))
+    return ExpertParallel(degree, tuple(modules), float(skew), per_param_mesh)

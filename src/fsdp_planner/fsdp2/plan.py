@@ -319,7 +319,7 @@ class Plan:
                 tuple(self.selective_checkpointing.items()), self.mesh, self.forward_methods, self.offload,
                 tuple(sorted(self.shard_dims.items())), self.reduce_dtype, self.activation_offloading,
                 self.tensor_parallel.signature() if self.tensor_parallel is not None else None,
-                self.expert_parallel.signature() if self.expert_parallel is not None else None, self.compiled,
+                self.expert_parallel, self.compiled,
                 self.float8.signature() if self.float8 is not None else None, self.checkpoint_early_stop)
 
     # -- JSON ------------------------------------------------------------------------------------------------
@@ -552,7 +552,8 @@ def _precision_from(value: Any) -> str:
 
 # the EP term the planner writes in a plan's policy label (``service/planning.with_ep``, auto's EP screens):
 # "EP 4", "EP 8 (skew 1.5)", then what the screens add ("(experts kept after forward)", "on 2x4")
-_EP_TERM = re.compile(r", EP \d+(?: \(skew [0-9.e+]+\))?(?: \(experts kept after forward\))?(?: on \d+x\d+)?")
+_EP_TERM = re.compile(r", EP \d+(?: \(skew [0-9.e+]+\))?(?: \((?:experts|experts' blocks) kept after forward\))?"
+                      r"(?: on \d+x\d+)?")
 _EP_DEGREE = re.compile(r"\bEP \d+")
 
 

@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from fsdp_planner.fsdp2.checkpointing import recomputed_spans
+from fsdp_planner.fsdp2.checkpointing import recomputed_spans, recreated_at
 from fsdp_planner.fsdp2.claim import hooked_modules
 from fsdp_planner.fsdp2.collectives import CollectiveKind
+from fsdp_planner.fsdp2.expert_groups import param_group_hosts
 from fsdp_planner.fsdp2.plan import Group, Mesh, Plan, ReshardAfterForward
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
@@ -84,6 +85,12 @@ class Schedule:
     residency: list[Residency] = field(default_factory=list)
     num_events: int = 0
     hooks: list[tuple[int, int]] = field(default_factory=list)  # (event, group): a lifecycle call's host work
+    # groups that are not the last param group of their state: their post-backward frees no earlier reduce-scatter
+    # input (FSDPParamGroup.post_backward's wait on the retained ones is the last param group's)
+    keeps_reduce_inputs: frozenset[int] = frozenset()
+    # the groups in the order the root's final callback visits them (FSDP2's all_states: named_modules order of
+    # each call's first module, the root first; a call's param groups the last first)
+    final_order: tuple[int, ...] = ()
 
 
 @dataclass
@@ -94,13 +101,15 @@ class _Shared:
     post_forward_order: list[GroupReplay] = field(default_factory=list)
     reduced: set[int] = field(default_factory=set)  # params whose grads were reduce-scattered this step
     pre_backward_at: dict[Call, list[GroupReplay]] = field(default_factory=dict)  # output grads -> pre_backward
-    post_backward_at: dict[Call, GroupReplay] = field(default_factory=dict)  # input grads -> post_backward
+    post_backward_at: dict[Call, list[GroupReplay]] = field(default_factory=dict)  # input grads -> post_backward
+    # (each param group of the call's state registers its own, so backward runs the last registered first)
     all_gather_state: int | None = None  # FSDPCommContext.all_gather_state: a forward all-gather kept alive
     forward_root: GroupReplay | None = None  # FSDPStateContext.iter_forward_root, as a recomputation sets it
     # a recomputation's forward root has run its post-forward, which frees ``all_gather_state``: the replay frees
     # it as its recomputation ends (``Replay._recompute``)
     root_done: bool = False
     reshard_after_backward: bool = True  # FSDPParamGroup.reshard_after_backward (``set_reshard_after_backward``)
+    recreated_at: frozenset[int] = frozenset()  # pre-backwards where checkpointed activations are re-created
 
     def free_output(self, collective: int, end: int) -> None:
         self.schedule.collectives[collective] = self.schedule.collectives[collective].freed_at(end)
@@ -132,7 +141,10 @@ class Kept(Enum):
 
 
 class GroupReplay:
-    """One ``fully_shard`` group through one training step (FSDPParamGroup + its FSDPState's module hooks)."""
+    """One ``fully_shard`` group through one training step (FSDPParamGroup + its FSDPState's module hooks). A state
+    with several param groups (experts on a per-param mesh: ``expert_groups.param_group_hosts``) is driven through
+    the group whose modules are hooked; ``members`` are its param groups in FSDP2's order, the others hooking no
+    module of their own."""
 
     def __init__(self, index: int, group: Group, grad_params: list[int], grad_ready_at: list[int],
                  mesh: Mesh | None, shared: _Shared, hooked: list[str]) -> None:
@@ -153,6 +165,8 @@ class GroupReplay:
         self.pending: int | None = None  # FSDP2's _all_gather_result: the issued all-gather not yet copied out
         self.modules_to_run: set[str] = set()  # FSDPState._modules_to_run_forward
         self.post_forward_indices: list[int] = []
+        self.members: list[GroupReplay] = [self]  # FSDPState._fsdp_param_groups (on the hooked group)
+        self.state: GroupReplay = self  # the group whose hooks drive this one
 
     # -- FSDPParamGroup.unshard / reshard -----------------------------------------------------------------
     def unshard(self, at: int, backward: bool, prefetch: bool = False) -> None:
@@ -177,11 +191,17 @@ class GroupReplay:
             self.shared.free_all_gather_state(at)  # the previous forward all-gather's output, before this copy-out
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             self._hold_until(at, divisor=int(self.reshard_after_forward))
+        since = at
         if forward:
             self.shared.all_gather_state = self.pending  # kept until the next copy-out or the root's post-forward
+        elif at in self.shared.recreated_at:  # a checkpointed call's activations are re-created at this boundary,
+            # after this hook freed the output: the copy-out's moment (the output and the params beside what
+            # backward held before the hook) is counted at the event before
+            self.shared.free_output(self.pending, at)
+            since = at - 1
         else:
             self.shared.free_output(self.pending, at + 1)
-        self.sharded_state, self.since, self.pending = ShardedState.UNSHARDED, at, None
+        self.sharded_state, self.since, self.pending = ShardedState.UNSHARDED, since, None
 
     def reshard(self, at: int) -> None:
         if self.sharded_state is not ShardedState.UNSHARDED:
@@ -218,24 +238,32 @@ class GroupReplay:
         resharded after forward (kept as the all-gather state, as in forward), its state the recomputation's
         forward root if none is; the post-backward hook it registers is on the recomputed graph, never run."""
         if self.state_in_backward:
-            self.unshard(at, backward=True)
-            self.wait_for_unshard(at)
+            for member in self.members:
+                member.unshard(at, backward=True)
+                member.wait_for_unshard(at)
             return
         if gated and not self.modules_to_run:
             self.modules_to_run = set(self.hooked)
         first_in_pass = self.training_state is not TrainingState.FORWARD
+        if first_in_pass and recomputing and self.shared.forward_root is None:  # _root_pre_forward claims it
+            self.shared.forward_root = self
+        for member in self.members:  # each param group gathers and waits in turn (FSDPParamGroup.pre_forward)
+            member.param_group_pre_forward(at, call, first_in_pass, grad_inputs and not recomputing, recomputing)
+        if first_in_pass:
+            for target in self.forward_prefetch:
+                target.unshard(at, backward=recomputing, prefetch=True)
+
+    def param_group_pre_forward(self, at: int, call: Call, first_in_pass: bool, grad_inputs: bool,
+                                recomputing: bool) -> None:
+        """FSDPParamGroup.pre_forward: unshard and wait; on entering the pass, the post-backward hook on this call's
+        inputs (RegisterPostBackwardFunction)."""
         if first_in_pass:
             self._host_work(at)
-            if recomputing and self.shared.forward_root is None:  # _root_pre_forward claims iter_forward_root
-                self.shared.forward_root = self
         self.training_state = TrainingState.FORWARD
         self.unshard(at, backward=recomputing)
         self.wait_for_unshard(at)
-        if first_in_pass:
-            if grad_inputs and not recomputing:  # RegisterPostBackwardFunction on this call's inputs
-                self.shared.post_backward_at[call] = self
-            for target in self.forward_prefetch:
-                target.unshard(at, backward=recomputing, prefetch=True)
+        if first_in_pass and grad_inputs:
+            self.shared.post_backward_at.setdefault(call, []).append(self)
 
     def post_forward(self, at: int, call: Call) -> None:
         """FSDPParamGroup.post_forward once every listed module has run (a list group reshards after its last
@@ -257,37 +285,60 @@ class GroupReplay:
         self.modules_to_run.discard(module)
         if self.modules_to_run:
             return
-        self._host_work(at)
-        self.training_state = TrainingState.IDLE
+        for member in self.members:
+            member._host_work(at)
+            member.training_state = TrainingState.IDLE
         if self.shared.forward_root is self:
             self.shared.root_done, self.shared.forward_root = True, None
 
     def complete_forward(self, at: int, call: Call) -> None:
-        self._host_work(at)
-        self.reshard(at)
-        if self.has_params:  # _record_post_forward: a fully_shard call that claimed nothing has no param group
-            self.post_forward_indices.append(len(self.shared.post_forward_order))
-            self.shared.post_forward_order.append(self)
-        self.training_state = TrainingState.IDLE
+        for member in self.members:  # FSDPParamGroup.post_forward of each param group
+            member._host_work(at)
+            member.reshard(at)
+            if member.has_params:  # _record_post_forward: a fully_shard call that claimed nothing has none
+                member.post_forward_indices.append(len(self.shared.post_forward_order))
+                self.shared.post_forward_order.append(member)
+            member.training_state = TrainingState.IDLE
         self.shared.pre_backward_at.setdefault(call, []).append(self)
 
     def pre_backward(self, at: int) -> None:
-        """FSDPState._pre_backward + FSDPParamGroup.pre_backward: once per group; prefetches the explicit list, or
-        by default the group that finished forward just before this call of it (_backward_prefetch)."""
+        """FSDPState._pre_backward: once per state, each param group's pre-backward in turn, then the explicit
+        prefetch list."""
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
+        for member in self.members:
+            member.param_group_pre_backward(at, default_prefetch=not self.backward_prefetch)
+        for target in self.backward_prefetch:
+            target.unshard(at, backward=True, prefetch=True)
+
+    def param_group_pre_backward(self, at: int, default_prefetch: bool) -> None:
+        """FSDPParamGroup.pre_backward: unshard and wait, then by default prefetch (_backward_prefetch) the param
+        group that finished forward just before this call of it; of a state with several, only its second param
+        group prefetches, every param group of the state before it (the others' forward order given back)."""
         self._host_work(at)
         self.training_state = TrainingState.PRE_BACKWARD
         self.state_in_backward = True
         self.unshard(at, backward=True)
         self.wait_for_unshard(at)
-        if self.backward_prefetch:
-            for target in self.backward_prefetch:
-                target.unshard(at, backward=True, prefetch=True)
-        elif self.post_forward_indices:
-            current = self.post_forward_indices.pop()
+        if not default_prefetch or not self.post_forward_indices:
+            return
+        current = self.post_forward_indices.pop()
+        order = self.shared.post_forward_order
+        if len(self.state.members) == 1:
             if current > 0:
-                self.shared.post_forward_order[current - 1].unshard(at, backward=True, prefetch=True)
+                order[current - 1].unshard(at, backward=True, prefetch=True)
+            return
+        if self is not self.state.members[1]:
+            return
+        target: GroupReplay | None = None
+        for before in reversed(order[:current]):
+            if before.state is self.state:
+                continue
+            if target is None:
+                target = before.state
+            elif before.state is not target:
+                break
+            before.unshard(at, backward=True, prefetch=True)
 
     def post_backward(self, at: int) -> None:
         """FSDPParamGroup.post_backward: reshard, then reduce-scatter the grads autograd has finished (a param read
@@ -349,24 +400,43 @@ class Replay:
             group_params = [[index.param_index[p] for p in g.params] for g in plan.groups]
         reducible = index.reducible
         mesh = plan.mesh or (Mesh.flat(world_size) if world_size is not None else None)
+        hosts = param_group_hosts(plan, trace)
         self.groups = [GroupReplay(i, g, [p for p in ps if reducible[p]], index.grad_ready_at, mesh, self.shared,
-                                   hooked_modules(g.modules, trace.index.parents))
+                                   [] if i in hosts else hooked_modules(g.modules, trace.index.parents))
                        for i, (g, ps) in enumerate(zip(plan.groups, group_params, strict=True))]
+        self._join_states(hosts, group_params)
         for g, replay in zip(plan.groups, self.groups, strict=True):
             if kept.before and replay.has_params:  # unsharded since the previous micro-batch's backward
                 replay.sharded_state, replay.since, replay.gathered = ShardedState.UNSHARDED, 0, True
-            replay.forward_prefetch = [self.groups[j] for j in g.forward_prefetch]
-            replay.backward_prefetch = [self.groups[j] for j in g.backward_prefetch]
+            # a prefetch gathers every param group of the target's state (in backward, the last first)
+            replay.forward_prefetch = [m for j in g.forward_prefetch for m in self.groups[j].state.members]
+            replay.backward_prefetch = [m for j in g.backward_prefetch for m in reversed(self.groups[j].state.members)]
         self.group_of = {m: r for r in self.groups for m in r.hooked}
         # FSDP2's all_states: one per fully_shard call, in the registration order of its first module
         registered = trace.index.registration
-        self.states = sorted(self.groups, key=lambda r: min(registered[m] for m in r.group.modules))
+        self.states = sorted((r for r in self.groups if r.state is r),
+                             key=lambda r: min(registered[m] for m in r.group.modules))
+        self.shared.schedule.final_order = tuple(m.index for state in self.states for m in reversed(state.members))
         methods = set(plan.forward_methods)
         # calls of registered methods: register_fsdp_forward_method's wrapper calls FSDPState._pre_forward and
         # _post_forward itself, past a list group's gate (_register_group_forward_hooks' modules_to_run)
         self.method_calls = {call for call, name in trace.method_calls.items() if (call[0], name) in methods}
         self.recomputed = recomputed_spans(trace, plan)  # where a checkpointed forward runs again -> its span
+        self.shared.recreated_at = recreated_at(trace, plan)
         self.hooked: list[int] = []
+
+    def _join_states(self, hosts: dict[int, int], group_params: Sequence[Sequence[int]]) -> None:
+        """Each group sharded in another's call (``param_group_hosts``) made a param group of that call's state,
+        in FSDP2's order (by their first param); the param groups before a state's last keep the reduce-scatter
+        inputs (``Schedule.keeps_reduce_inputs``)."""
+        never = len(self.trace.params)
+        for member, host in hosts.items():
+            state = self.groups[host]
+            state.members = sorted([*state.members, self.groups[member]],
+                                   key=lambda r: min(group_params[r.index], default=never))
+            self.groups[member].state = state
+        self.shared.schedule.keeps_reduce_inputs = frozenset(
+            r.index for host in set(hosts.values()) for r in self.groups[host].members[:-1])
 
     def hooked_events(self) -> list[int]:
         """Boundary events of the modules FSDP2 hooks (``hooked_modules`` of each group), in order; a call of a
@@ -402,7 +472,8 @@ class Replay:
                 if at in self.recomputed:
                     self._recompute(at, *self.recomputed[at])
             elif call in shared.post_backward_at:  # BWD_POST: the inputs' grads are ready
-                shared.post_backward_at.pop(call).post_backward(at)
+                for group in reversed(shared.post_backward_at.pop(call)):
+                    group.post_backward(at)
         end = len(events)
         shared.free_all_gather_state(end)  # a root that is not a group: nothing freed it at post-forward
         for group in self.groups:
@@ -472,5 +543,7 @@ def state_hook_calls(trace: Trace, plan: Plan) -> list[int]:
     hooks, ``hooked_modules``, the root too). Each such call runs its ``FSDPState``'s hooks (pre/post-forward, and
     in backward pre/post-backward) whether or not its group has work there: a list group of k modules pays k of
     these a pass, single-module groups one each (``Overhead.module_seconds``)."""
-    targets = {m for g in plan.groups for m in hooked_modules(g.modules, trace.index.parents)}
+    hosts = param_group_hosts(plan, trace)  # (experts in their block's call: no hooks of their own)
+    targets = {m for i, g in enumerate(plan.groups) if i not in hosts
+               for m in hooked_modules(g.modules, trace.index.parents)}
     return [i for i, e in enumerate(trace.events) if e.kind is EventKind.FWD_PRE and e.module in targets]

@@ -107,14 +107,18 @@ def inside_compiled(plan: Plan, compiled: Collection[str]) -> tuple[int, str, st
     blocks = set(compiled)
     if not blocks:
         return None
-    return next(((i, m, b) for i, g in enumerate(plan.groups) for m in g.modules for b in proper_ancestors(m)
-                 if b in blocks), None)
+    ep = plan.expert_parallel
+    hookless = ep.modules if ep is not None and ep.per_param_mesh else ()  # sharded in their blocks' calls
+    return next(((i, m, b) for i, g in enumerate(plan.groups)
+                 if not (hookless and all(any(matches(p, m) for p in hookless) for m in g.modules))
+                 for m in g.modules for b in proper_ancestors(m) if b in blocks), None)
 
 
 def ep_in_compiled_block(module: str, block: str) -> str:
-    """Why EP does not run with ``--compile``'s whole blocks: it gives each expert module an FSDP group of its own."""
-    return (f"expert parallelism shards each expert module in a group of its own ('{module}'), inside the block "
-            f"'{block}' that --compile compiles whole, where FSDP2's hooks cannot run (Dynamo refuses them)")
+    """Why the planner plans no EP with ``--compile``'s whole blocks: EP's dispatch would run inside the compiled
+    graph, which is not modelled (what AOTAutograd saves and inductor fuses is measured on the model without EP)."""
+    return (f"expert parallelism's all-to-all dispatch of '{module}' would run inside the block '{block}' that "
+            "--compile compiles whole, which the simulator does not model")
 
 
 # the way out of ``ep_in_compiled_block``, for a command line or a torchtitan job alike
@@ -125,12 +129,20 @@ EP_COMPILED_FIX = ("plan EP with the blocks eager (--compile off; a torchtitan j
 def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
     """Refuse a group listing a module inside a block compiled whole (``inside_compiled``): FSDP2's hooks on it
     would run inside the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped")."""
+    ep = plan.expert_parallel
+    blocks = set(compiled)
+    if ep is not None and ep.per_param_mesh and blocks:  # no hooks of their own, but EP's dispatch in the graph
+        inside_ep = next(((m, b) for g in plan.groups for m in g.modules if any(matches(p, m) for p in ep.modules)
+                          for b in proper_ancestors(m) if b in blocks), None)
+        if inside_ep is not None:
+            raise PlannerError(f"{ep_in_compiled_block(*inside_ep)}: {EP_COMPILED_FIX}")
     inside = inside_compiled(plan, compiled)
     if inside is not None:
         i, module, block = inside
-        ep = plan.expert_parallel
         if ep is not None and any(matches(p, module) for p in ep.modules):  # a grouping EP makes, not the user
-            raise PlannerError(f"{ep_in_compiled_block(module, block)}: {EP_COMPILED_FIX}")
+            raise PlannerError(f"expert parallelism shards each expert module in a group of its own ('{module}'), "
+                               f"inside the block '{block}' that --compile compiles whole, where FSDP2's hooks "
+                               f"cannot run (Dynamo refuses them): {EP_COMPILED_FIX}")
         raise PlannerError(f"group {i} lists '{module}', inside the block '{block}' that --compile compiles whole: "
                            "FSDP2's hooks cannot run inside a compiled graph (Dynamo refuses them); group whole "
                            "blocks, plan without --compile, or keep such a module in an fp32 group of its block "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
-from fsdp_planner.fsdp2.expert_groups import with_expert_groups
+from fsdp_planner.fsdp2.expert_groups import param_group_hosts, with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.fsdp2.validity import EP_COMPILED_FIX, ep_in_compiled_block
@@ -161,9 +161,16 @@ def ep_degrees(trace: Trace, shard: int) -> list[int]:
     return [d for d in divisors(n) if shard % d == 0]
 
 
+# How the planner's EP plans shard the experts: in their block's fully_shard call on a per-param mesh, as
+# torchtitan's apply_fsdp does since pytorch/torchtitan#2281 (March 2026). A plan file saying per_param_mesh false
+# (or written before it was recorded) keeps the expert modules' own calls, as torchtitan did before.
+PER_PARAM_MESH = True
+
+
 def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.0, shard: int = 0,
                          placement: ShardPlacement | None = None) -> Plan:
-    """``plan`` with EP of ``degree`` over the model's expert modules, each in a group of its own; degree 1: no EP.
+    """``plan`` with EP of ``degree`` over the model's expert modules, each its own group (sharded in its block's
+    call: ``PER_PARAM_MESH``); degree 1: no EP.
     A plan with shard dims gets them again at the experts' own shard ranks (``shard``: the data-parallel shard
     ranks; the placement rule of ``ShardPlacement.AUTO``), and so does one without where ``placement`` is AUTO
     (without EP every param may divide on dim 0, E / EP experts need not)."""
@@ -185,7 +192,8 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
         raise PlannerError(f"expert parallelism of degree {degree} does not divide the {ranks} (EP's ranks come out "
                            "of dp_shard" + (" x tp" if tp > 1 else "") + "): " +
                            (f"choose one of {', '.join(fits)}" if fits else "no EP degree above 1 divides them"))
-    out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
+    out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew,
+                                                                         PER_PARAM_MESH)), trace)
     auto_dims = bool(plan.shard_dims) or placement is ShardPlacement.AUTO  # (dim 0 may divide without EP only)
     if auto_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)
         raise PlannerError("expert parallelism with TP and auto shard placement is not modelled yet: plan it with "
@@ -211,7 +219,8 @@ class EPOption:
         world size ``flat``, where it is pure FSDP: beside HSDP options)."""
         mesh = self.plan.mesh or (Mesh.flat(flat) if flat else None)
         where = f" on {mesh.describe()}" if where and mesh is not None and (mesh.replicate > 1 or flat) else ""
-        kept = ["experts kept after forward"] if self.keep_experts else []
+        kept = [("experts' blocks" if self.plan.expert_parallel.per_param_mesh else "experts") +
+                " kept after forward"] if self.keep_experts else []
         said = ", ".join(kept + (["op-level blocks in full"] if self.in_full else []))
         return (f"EP {self.degree}" + (f" ({said})" if said else "") if self.degree > 1 else "no EP") + where
 
@@ -234,11 +243,18 @@ def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
         if key not in views:
             views[key] = ep_view(trace, ep_plan).trace
         for keep in (False, True):
-            p = ep_plan if not keep else ep_plan.replace(groups=[
-                replace(g, reshard_after_forward=False) if g.modules[0] in ep_plan.expert_parallel.modules else g
-                for g in ep_plan.groups])
+            p = ep_plan if not keep else _experts_kept(ep_plan, trace)
             out.append(EPOption(degree, keep, p, simulate(views[key], p, cluster, options, timeline=False)))
     return out
+
+
+def _experts_kept(plan: Plan, trace: Trace) -> Plan:
+    """``plan`` with its expert groups kept unsharded after forward; on a per-param mesh their blocks too (one
+    fully_shard call reshards both alike, ``param_group_hosts``)."""
+    kept = {i for i, g in enumerate(plan.groups) if g.modules[0] in plan.expert_parallel.modules}
+    kept.update(param_group_hosts(plan, trace).values())
+    return plan.replace(groups=[replace(g, reshard_after_forward=False) if i in kept else g
+                                for i, g in enumerate(plan.groups)])
 
 
 def hsdp_ep_options(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions,

@@ -56,6 +56,7 @@ rest of the step is taken as packed. Plans are fitted to the GPU by ``reserved``
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
@@ -310,10 +311,18 @@ class MemoryModel:
                 self._accumulate(changes, c.event, self.sizing.tp_local_grads(c.params),
                                  min(groups[c.group].first_backward, c.event), n, phase)
             return changes
-        for k, c in enumerate(reduces):
-            # the next post-backward frees this input buffer before it allocates its own
-            self._reduced(changes, c, reduces[k + 1].event if k + 1 < len(reduces) else n, groups, phase, n,
-                          sharded_held)
+        per_hook = Counter(c.event for c in reduces)  # post-backward hooks reducing more than one param group
+        freed_at, freed = [n] * len(reduces), n
+        for k in range(len(reduces) - 1, -1, -1):
+            # the next post-backward frees this input buffer before it allocates its own (of a state with several
+            # param groups, its last param group's: the others keep it, ``Schedule.keeps_reduce_inputs``); the
+            # final callback's, one at a time as replayed (``_final_callback`` puts its moment right)
+            freed_at[k] = freed if reduces[k].event < n - 1 else reduces[k + 1].event if k + 1 < len(reduces) else n
+            if reduces[k].group not in schedule.keeps_reduce_inputs:
+                freed = reduces[k].event
+        for c, end in zip(reduces, freed_at, strict=True):
+            self._reduced(changes, c, end, groups, phase, n, sharded_held, per_hook[c.event] > 1 and c.event < n - 1)
+            # (the final callback's param groups reduce one at a time: ``_final_callback``)
         finals = [c for c in reduces if c.event == n - 1]
         if finals and phase is GradSync.ONLY and not (self.offload or sharded_held) \
                 and self.zero_grad is ZeroGrad.NONE:
@@ -328,18 +337,30 @@ class MemoryModel:
             # dim-1 params are copied out through a temporary of their unsharded size, freed once copied
             changes.add(0, r.start, r.start + 1, self.sizing.shard1_gather_bytes(groups[r.group].params) / r.divisor)
         for c in schedule.collectives:
-            if c.kind is CollectiveKind.ALL_GATHER:
+            if c.kind is CollectiveKind.ALL_GATHER and not self._gathered_alone(groups[c.group].params):
                 # the output buffer lives from the issue until FSDP2 frees it (``Collective.output_freed``); a
                 # prefetch is issued in a hook after that hook's own copy-out, so it counts from the next event
                 at = c.event + c.prefetch
+                if c.backward and 0 < c.output_freed <= at:  # freed in its own hook, before activations are
+                    at = c.output_freed - 1  # re-created there: its copy-out's moment is the event before
+                    # (``GroupReplay.wait_for_unshard``)
                 changes.add(1, at, c.output_freed, groups[c.group].gather_bytes)
                 if not self.offload:  # the shards cast to the all-gather dtype, copied in beside it
                     changes.add(1, at, at + 1, self.sizing.gather_cast_bytes(groups[c.group].params, c.ranks))
 
+    def _gathered_alone(self, params: Sequence[int]) -> bool:
+        """Expert params over a shard dim of one rank (``_divided_alone``): FSDP2's unshard of a one-rank group
+        gathers nothing (its all-gather output is an empty tensor) and copies the shards into the unsharded params
+        at the wait, so there is no all-gather buffer; not even kept for the next copy-out (a per-param mesh's
+        experts, gathered at their block's hooks and prefetched with it, held one 3.5% above the fake world)."""
+        return bool(params) and params[0] in self._divided_alone
+
     def _reduced(self, changes: Changes, c: Collective, freed: int,
-                 groups: list[GroupFacts], phase: GradSync, n: int, sharded_held: bool) -> None:
+                 groups: list[GroupFacts], phase: GradSync, n: int, sharded_held: bool,
+                 shared_hook: bool = False) -> None:
         """A reduce-scatter's unsharded grads (category 2) up to it, its input buffer (3) until ``freed`` and its
-        output, the sharded grads (4), in a micro-batch ``phase`` that syncs."""
+        output, the sharded grads (4), in a micro-batch ``phase`` that syncs; ``shared_hook``: another param group
+        reduces in the same post-backward hook."""
         first = min(groups[c.group].first_backward, c.event)
         own = self.sizing.tp_local_grads(c.params)
         # an accumulated grad that autograd adds into exists before its call's backward (``_grads_from``)
@@ -350,8 +371,11 @@ class MemoryModel:
             changes.add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(own))
         changes.add(2, c.event, c.event + 1, self.sizing.shard1_grad_peak_bytes(c.params))  # dim-1 grads re-laid out
         changes.add(3, c.event, freed, self.sizing.reduce_bytes(c.params))
-        if c.params and c.params[0] in self._divided_alone:  # the quotient FSDP2 copies into the output
-            changes.add(3, c.event + 1, c.event + 2, self.sizing.reduce_bytes(c.params))
+        if c.params and c.params[0] in self._divided_alone:  # the quotient FSDP2 copies into the output: after
+            # the hook, or, where another param group of the call reduces in the same hook (a per-param mesh), in
+            # it (the next event is the next block's pre-backward, which its copy never meets)
+            at = c.event if shared_hook else c.event + 1
+            changes.add(3, at, at + 1, self.sizing.reduce_bytes(c.params))
         self._sharded_grad(changes, c.event, self.sizing.shard_numel(c.params), n, sharded_held)
         if c.event < n - 1 and not (self.offload or sharded_held) and self.zero_grad is ZeroGrad.NONE \
                 and own and len(own) == len(c.params):
@@ -368,15 +392,16 @@ class MemoryModel:
                         schedule: Schedule, end: int) -> None:
         """The groups that post-backward in the root's final callback (inputs without grad: an embedding's; the
         root's own params) do so one at a time, in ``named_modules`` order (FSDP2's ``all_states``, the root
-        first): each reshards its params, allocates its reduce-scatter input, clears its grads but the last
+        first; a call's param groups the last first: ``Schedule.final_order``): each reshards its params,
+        allocates its reduce-scatter input, clears its grads but the last
         (``_last_grad``) and allocates its output, while the groups after it still hold their unsharded params and
         grads. ``_changes`` counts them all at ``end`` at once (every grad, the reduce input of the last it
         replayed); this moves ``end`` to the callback's fullest moment (a small untied LM with its embedding
         alone on 2 fake ranks: -16% without, the root's reduce-scatter beside the embedding's gathered param and
         grad)."""
-        order = {m: k for k, m in enumerate(self.trace.modules)}
+        order = {g: k for k, g in enumerate(schedule.final_order)}
         replayed_last = finals[-1]
-        finals = sorted(finals, key=lambda c: min(order.get(m, len(order)) for m in plan.groups[c.group].modules))
+        finals = sorted(finals, key=lambda c: order.get(c.group, len(order)))
         sizes = self.sizing.groups(plan)
         held = dict.fromkeys((c.group for c in finals), 0.0)  # unsharded params held into the callback
         for r in schedule.residency:
@@ -386,12 +411,18 @@ class MemoryModel:
         relaid = [self.sizing.shard1_grad_peak_bytes(c.params) for c in finals]
         outputs = [self.sizing.shard_numel(c.params) * self.grad_bytes for c in finals]
         moments = []  # (params, grads, reduce input, outputs) at each allocation: the input's, then the output's
+        inputs: list[int] = []  # the reduce inputs still held: a call's last param group frees them all first
         for j, c in enumerate(finals):
+            if c.group not in schedule.keeps_reduce_inputs:
+                inputs.clear()
+            inputs.append(self.sizing.reduce_bytes(c.params))
             params, later, reduce_input = sum(held[f.group] for f in finals[j + 1:]), sum(grads[j + 1:]), \
-                self.sizing.reduce_bytes(c.params)
+                sum(inputs)
             moments.append((params, later + grads[j] + relaid[j], reduce_input, sum(outputs[:j])))
             last = self._last_grad(self.sizing.tp_local_grads(c.params), GradSync.ONLY)
             moments.append((params, later + last, reduce_input, sum(outputs[:j + 1])))
+            if c.params and c.params[0] in self._divided_alone:  # the quotient copied into its output
+                moments.append((params, later + last, reduce_input + inputs[-1], sum(outputs[:j + 1])))
         params, grads_held, reduce_input, reduced = max(moments, key=sum)
         changes.add(0, end, end + 1, params)
         changes.add(2, end, end + 1, grads_held - sum(grads) - sum(relaid))

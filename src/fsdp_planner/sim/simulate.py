@@ -222,7 +222,7 @@ def _micro_batch_schedule(ctx: SimContext, plan: Plan, sched: Schedule, phase: G
 def _without_grad_sync(sched: Schedule) -> Schedule:
     """What a micro-batch without gradient sync (all but the last, under ``GradientSync.LAST``) issues of ``sched``:
     its all-gathers, none of its reduce-scatters and all-reduces."""
-    return Schedule([c for c in sched.collectives if c.kind is AG], sched.residency, sched.num_events, sched.hooks)
+    return replace(sched, collectives=[c for c in sched.collectives if c.kind is AG])
 
 
 def _engine(ctx: SimContext, plan: Plan, sched: Schedule, timeline: bool) -> StepTimes:
