@@ -294,6 +294,11 @@ def _data_parallel(m: _Merge, dp: int) -> None:
                                f"{dp // cfg.replicate * cfg.tp} data-parallel shard x TP GPUs (EP's ranks come out "
                                "of dp_shard x tp)")
         m.given("ep", cfg.ep, "parallelism.expert_parallel_degree")
+        if cfg.kind == TORCHTITAN and not cfg.registry:  # a TOML: torchtitan before its config registry (02-2026)
+            m.note("the experts are planned as torchtitan shards them since pytorch/torchtitan#2281 (March 2026): in "
+                   "their blocks' fully_shard calls on a per-param mesh; a TOML job's torchtitan, older, gave each "
+                   "experts module a fully_shard call of its own (a plan file with expert_parallel.per_param_mesh "
+                   "false simulates that)")
     elif cfg.kind == TORCHTITAN:
         m.agrees("ep", 1, "parallelism.expert_parallel_degree")
     if cfg.replicate > 1:
