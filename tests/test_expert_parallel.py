@@ -6,6 +6,7 @@ exactly, the peak within 5%."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,6 +25,7 @@ from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.planners.tensor_parallel import titan_moe_layout
+from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import record
@@ -932,7 +934,15 @@ def test_hand_edited_ep_plan_files_meet_the_same_checks_everywhere(tmp_path) -> 
         d["groups"][1].update(reshard_after_forward=4)
         d["groups"][2].update(reshard_after_forward=4)
 
-    raf = edited("raf_both.json", both)
+    raf = edited("raf_both.json", both)  # FSDP2 reshards no DTensor param to a smaller mesh
+    r = run_main("simulate", model, "--plan", raf, "--cluster", "h100:4", "--seq", "32")
+    assert r.returncode != 0 and "FSDP2 reshards no DTensor param to a smaller mesh" in r.stderr, r.stderr[-1000:]
+
+    def own_calls(d: dict) -> None:  # the experts in calls of their own: their int checked on their own mesh
+        d["expert_parallel"]["per_param_mesh"] = False
+        d["groups"][2].update(reshard_after_forward=4)
+
+    raf = edited("raf_own.json", own_calls)
     r = run_main("simulate", model, "--plan", raf, "--cluster", "h100:4", "--seq", "32")
     assert r.returncode != 0 and "experts' EP-reduced shard mesh of 2 ranks" in r.stderr, r.stderr[-1000:]
     ghost = edited("ghost.json", lambda d: d["activation_checkpointing"].append("model.layers.7"))
@@ -1092,3 +1102,46 @@ def test_an_ep_view_moves_the_loss_region_s_storages_with_its_events() -> None:
         assert (freed2 < 0) == (freed < 0) and (freed2 == len(view.events)) == (freed == len(tr.events))
         if 0 <= freed < len(tr.events):
             assert view.events[freed2] == tr.events[freed]._replace(made_at=view.events[freed2].made_at)
+
+
+def test_experts_in_their_blocks_calls_wherever_the_groups_cut_the_blocks() -> None:
+    """Groups that cut through blocks (order's, listing an experts module beside the next block's modules: auto's
+    groups of hf:mixtral-8x7b on 64 GPUs) put the experts in the call of the nearest listed module above them, each
+    call's experts one group (a planner-made plan was refused by its own check); a call resharding to an int keeps
+    the experts' own calls (FSDP2 reshards no DTensor param to a smaller mesh); a call of no params of its own
+    makes the experts its only param group; the replay leaves nothing for the cycle collector."""
+    import gc
+
+    from fsdp_planner.fsdp2.expert_groups import param_group_hosts
+    from fsdp_planner.fsdp2.replay import build_schedule
+    from fsdp_planner.planners.expert_parallel import with_expert_parallel
+
+    tr = _traced()
+    cut = make_plan(tr, [["tok_embeddings", "layers.0.attention_norm", "layers.0.attention"],
+                         ["layers.0.ffn_norm", "layers.0.moe.router", "layers.0.moe.experts", "layers.1.attention_norm",
+                          "layers.1.attention"],  # layers.0's experts listed beside layers.1's first modules
+                         ["layers.1.ffn_norm", "layers.1.moe.router"], ["layers.1.moe.experts", "norm", "output"]])
+    ep = with_expert_parallel(cut, tr, 2)
+    hosts = param_group_hosts(ep, tr)
+    assert ep.expert_parallel.per_param_mesh and sorted(m for g in hosts for m in ep.groups[g].modules) == \
+        ["layers.0.moe.experts", "layers.1.moe.experts"]
+    assert all(set(ep.groups[g].modules) <= set(ep.expert_parallel.experts(tr.modules)) for g in hosts)
+    from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
+
+    rows = beside_prediction(simulate(tr, ep, parse_cluster("h100:8"), BF16, timeline=False),
+                             run_fake_world(TINY, ep, 8, BF16.precision))  # the root's call holds both experts
+    assert all(p == m for key, (p, m) in rows.items() if key != "peak_memory"), rows
+    assert rows["peak_memory"][0] == pytest.approx(rows["peak_memory"][1], rel=0.05)
+    titan = TorchtitanPolicy("MoEBlock").plan(tr)
+    ints = titan.replace(groups=[dataclasses.replace(g, reshard_after_forward=2) if not g.is_root else g
+                                 for g in titan.groups])
+    assert not with_expert_parallel(ints, tr, 2).expert_parallel.per_param_mesh
+    view = ep_view(tr, ep).trace
+    build_schedule(view, ep, 8)  # (its memos made once)
+    gc.collect()
+    gc.disable()
+    try:
+        build_schedule(view, ep, 8)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

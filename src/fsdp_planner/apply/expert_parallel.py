@@ -243,23 +243,27 @@ def with_expert_placements(placement: Any, experts: dict[int, Any]) -> Any:
 
 
 def set_expert_reduction(model: nn.Module, plan: Plan, dp_world: int) -> None:
-    """For experts sharded in their block's call: the block's gradient divide factor (every param group of its
-    state) as ``shard_experts`` sets an expert module's own: the whole data-parallel world (an expert's grad sums
-    the tokens of every EP rank too; the block's other params are divided by that world by default already),
-    ``dp_world`` ranks (TP ranks share a batch)."""
+    """``expert_reduction`` for a plan whose experts are sharded in their blocks' calls."""
+    if plan.expert_parallel is not None and plan.expert_parallel.per_param_mesh:
+        modules = dict(model.named_modules())
+        expert_reduction(modules, plan.expert_parallel.experts(modules), float(dp_world))
+
+
+def expert_reduction(modules: dict[str, nn.Module], experts: list[str], dp_world: float) -> None:
+    """The grads of ``experts`` sharded in their blocks' calls (a per-param mesh) sum every EP rank's tokens: each
+    call holding them divides by the whole data-parallel world of ``dp_world`` ranks, as an expert module's own call
+    would (the block's other params are divided by that world by default already; TP's ranks share a batch).
+    gloo has no PREMUL_SUM: SUM, then a local divide, but not for a param group over one shard rank, where FSDP2
+    divides its copy already and would divide again; FSDPModule's setter sets every param group of a call alike,
+    so each is set on its own (FSDP2's private state: only this gloo case needs it). ``export`` writes this
+    function's source into its code: keep it free of this package."""
     from torch.distributed.fsdp import FSDPModule
 
-    if plan.expert_parallel is None or not plan.expert_parallel.per_param_mesh:
-        return
-    modules = dict(model.named_modules())
-    for name in plan.expert_parallel.experts(modules):
+    for name in experts:
         host = name
         while not isinstance(modules[host], FSDPModule):
             host = host.rpartition(".")[0]
-        modules[host].set_gradient_divide_factor(float(dp_world))
-        if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM: SUM, then a local divide, as for an expert
-            # module's own call; but not for a param group over one shard rank, where FSDP2 divides its copy
-            # already and would divide again. FSDPModule's setter sets every param group of the call alike, so
-            # each is set on its own (FSDP2's private state: only this gloo check needs it)
+        modules[host].set_gradient_divide_factor(dp_world)
+        if dist.get_backend() == "gloo":
             for group in modules[host]._get_fsdp_state()._fsdp_param_groups:
                 group.force_sum_reduction_for_comms = group.mesh_info.shard_mesh_size > 1

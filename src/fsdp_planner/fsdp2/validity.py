@@ -12,7 +12,7 @@ are checked against it.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,15 +103,19 @@ def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> 
 
 def inside_compiled(plan: Plan, compiled: Collection[str]) -> tuple[int, str, str] | None:
     """The first (group, module, block) where a group lists a module inside a block compiled whole (``compiled``,
-    torchtitan's fullgraph compile of each block); None where there is none."""
-    blocks = set(compiled)
-    if not blocks:
-        return None
+    torchtitan's fullgraph compile of each block), whose hooks would run there: not experts sharded in their
+    blocks' calls (a per-param mesh: no hooks of their own); None where there is none."""
     ep = plan.expert_parallel
-    hookless = ep.modules if ep is not None and ep.per_param_mesh else ()  # sharded in their blocks' calls
+    hookless = ep.modules if ep is not None and ep.per_param_mesh else ()
     return next(((i, m, b) for i, g in enumerate(plan.groups)
                  if not (hookless and all(any(matches(p, m) for p in hookless) for m in g.modules))
-                 for m in g.modules for b in proper_ancestors(m) if b in blocks), None)
+                 for m, b in _modules_inside(g.modules, compiled)), None)
+
+
+def _modules_inside(modules: Collection[str], compiled: Collection[str]) -> Iterator[tuple[str, str]]:
+    """(module, block) for each of ``modules`` inside one of the ``compiled`` blocks."""
+    blocks = set(compiled)
+    return ((m, b) for m in modules for b in proper_ancestors(m) if b in blocks) if blocks else iter(())
 
 
 def ep_in_compiled_block(module: str, block: str) -> str:
@@ -130,10 +134,9 @@ def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
     """Refuse a group listing a module inside a block compiled whole (``inside_compiled``): FSDP2's hooks on it
     would run inside the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped")."""
     ep = plan.expert_parallel
-    blocks = set(compiled)
-    if ep is not None and ep.per_param_mesh and blocks:  # no hooks of their own, but EP's dispatch in the graph
-        inside_ep = next(((m, b) for g in plan.groups for m in g.modules if any(matches(p, m) for p in ep.modules)
-                          for b in proper_ancestors(m) if b in blocks), None)
+    if ep is not None and ep.per_param_mesh:  # no hooks of their own, but EP's dispatch inside the graph
+        experts = [m for g in plan.groups for m in g.modules if any(matches(p, m) for p in ep.modules)]
+        inside_ep = next(_modules_inside(experts, compiled), None)
         if inside_ep is not None:
             raise PlannerError(f"{ep_in_compiled_block(*inside_ep)}: {EP_COMPILED_FIX}")
     inside = inside_compiled(plan, compiled)

@@ -373,7 +373,9 @@ def _screen_line(found: list[EPOption], result: AutoResult, cluster: Cluster, op
     hsdp = any(o.plan.mesh is not None and o.plan.mesh.replicate > 1 for o in found)
     flat = cluster.world_size if hsdp and (tp is None or tp.degree == 1) else 0
     split = f", {options.micro_batches} micro-batches" if options.micro_batches > 1 else ""
-    return f"auto's EP screen (its groups, the experts in their own{split}): " + ", ".join(
+    own = any(o.plan.expert_parallel is not None and not o.plan.expert_parallel.per_param_mesh for o in found)
+    where = "the experts in groups of their own" if own else "the experts sharded in their blocks' calls"
+    return f"auto's EP screen (its groups, {where}{split}): " + ", ".join(
         f"{o.describe(flat=flat)} {fmt_time(o.step.step_time)}" + (
             "" if result.memory.fits(o.step.reserved_memory)
             else f" ({fmt_bytes(o.step.reserved_memory)}, does not fit)") for o in _shown(found, result))
