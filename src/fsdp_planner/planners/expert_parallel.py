@@ -168,9 +168,9 @@ PER_PARAM_MESH = True
 
 
 def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.0, shard: int = 0,
-                         placement: ShardPlacement | None = None) -> Plan:
+                         placement: ShardPlacement | None = None, per_param_mesh: bool = PER_PARAM_MESH) -> Plan:
     """``plan`` with EP of ``degree`` over the model's expert modules, each its own group (sharded in its block's
-    call: ``PER_PARAM_MESH``); degree 1: no EP.
+    call where ``per_param_mesh``); degree 1: no EP.
     A plan with shard dims gets them again at the experts' own shard ranks (``shard``: the data-parallel shard
     ranks; the placement rule of ``ShardPlacement.AUTO``), and so does one without where ``placement`` is AUTO
     (without EP every param may divide on dim 0, E / EP experts need not)."""
@@ -193,7 +193,7 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
                            "of dp_shard" + (" x tp" if tp > 1 else "") + "): " +
                            (f"choose one of {', '.join(fits)}" if fits else "no EP degree above 1 divides them"))
     out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew,
-                                                                         PER_PARAM_MESH)), trace)
+                                                                         per_param_mesh)), trace)
     auto_dims = bool(plan.shard_dims) or placement is ShardPlacement.AUTO  # (dim 0 may divide without EP only)
     if auto_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)
         raise PlannerError("expert parallelism with TP and auto shard placement is not modelled yet: plan it with "
@@ -219,8 +219,9 @@ class EPOption:
         world size ``flat``, where it is pure FSDP: beside HSDP options)."""
         mesh = self.plan.mesh or (Mesh.flat(flat) if flat else None)
         where = f" on {mesh.describe()}" if where and mesh is not None and (mesh.replicate > 1 or flat) else ""
-        kept = [("experts' blocks" if self.plan.expert_parallel.per_param_mesh else "experts") +
-                " kept after forward"] if self.keep_experts else []
+        own = self.plan.expert_parallel is not None and not self.plan.expert_parallel.per_param_mesh
+        kept = ["experts' own calls"] * own + \
+            [("kept" if own else "experts' blocks kept") + " after forward"] * self.keep_experts
         said = ", ".join(kept + (["op-level blocks in full"] if self.in_full else []))
         return (f"EP {self.degree}" + (f" ({said})" if said else "") if self.degree > 1 else "no EP") + where
 
@@ -229,23 +230,34 @@ def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
                degrees: tuple[int, ...] = (), views: dict[tuple, Trace] | None = None,
                without: bool = True, placement: ShardPlacement | None = None) -> list[EPOption]:
     """``plan`` (without EP; ``without``: simulated so too, first) under ``degrees`` (default every EP degree the
-    model and its shard ranks allow), its expert groups resharded after forward or kept: each simulated. The EP
-    screen a search runs after choosing its groups; deterministic, 2 simulations a degree. ``views``: the EP views
-    built so far, by EP signature (one per degree, whatever the mesh: a view is one EP rank's step). A plan with TP
-    is screened on one TP rank's view (``trace`` and ``cluster`` that view's). ``placement``: AUTO shards the
-    experts by auto's rule on their EP view (``with_expert_parallel``)."""
+    model and its shard ranks allow), the experts in their blocks' calls (torchtitan's) or in calls of their own
+    (which can keep them unsharded after forward apart from their blocks), resharded after forward or kept: each
+    simulated. The EP screen a search runs after choosing its groups; deterministic, 4 simulations a degree.
+    ``views``: the EP views built so far, by EP signature (one per degree, whatever the mesh: a view is one EP
+    rank's step). A plan with TP is screened on one TP rank's view (``trace`` and ``cluster`` that view's).
+    ``placement``: AUTO shards the experts by auto's rule on their EP view (``with_expert_parallel``)."""
     shard = plan.shard_size(cluster.world_size * (plan.tp_degree if trace.tensor_parallel else 1))
     out = [EPOption(1, False, plan, simulate(trace, plan, cluster, options, timeline=False))] if without else []
     views = {} if views is None else views
     for degree in degrees or ep_degrees(trace, shard)[1:]:
-        ep_plan = with_expert_parallel(plan, trace, degree, min(skew, degree), shard, placement)
-        key = ep_plan.expert_parallel.signature()
-        if key not in views:
-            views[key] = ep_view(trace, ep_plan).trace
-        for keep in (False, True):
-            p = ep_plan if not keep else _experts_kept(ep_plan, trace)
-            out.append(EPOption(degree, keep, p, simulate(views[key], p, cluster, options, timeline=False)))
+        for per_param in dict.fromkeys((PER_PARAM_MESH, False)):
+            ep_plan = with_expert_parallel(plan, trace, degree, min(skew, degree), shard, placement, per_param)
+            if ep_plan.expert_parallel.per_param_mesh != per_param:  # (an int reshard keeps the own calls)
+                continue
+            key = ep_plan.expert_parallel.signature()
+            if key not in views:
+                views[key] = ep_view(trace, ep_plan).trace
+            for keep in (False, True):
+                p = ep_plan if not keep else _experts_kept(ep_plan, trace)
+                out.append(EPOption(degree, keep, p, simulate(views[key], p, cluster, options, timeline=False)))
     return out
+
+
+def _fastest(option: EPOption) -> tuple:
+    """The order EP options are chosen in: the fastest step, then the fewer EP ranks, resharding, and torchtitan's
+    layout (the experts in their blocks' calls) on a tie."""
+    ep = option.plan.expert_parallel
+    return option.step.step_time, option.degree, option.keep_experts, not (ep is None or ep.per_param_mesh)
 
 
 def _experts_kept(plan: Plan, trace: Trace) -> Plan:
@@ -281,7 +293,7 @@ def hsdp_ep_options(result: AutoResult, trace: Trace, cluster: Cluster, options:
 def best_ep_option(found: list[EPOption], budget: float) -> EPOption | None:
     """The fastest of ``found`` whose reserved memory fits ``budget`` bytes (None: none fits)."""
     fitting = [o for o in found if o.step.reserved_memory <= budget]
-    return min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else None
+    return min(fitting, key=_fastest) if fitting else None
 
 
 def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
@@ -301,7 +313,7 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     if not result.fixed_checkpointing:
         found += _in_full(found, views, cluster, options, result.memory.fits)
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
-    best = min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else \
+    best = min(fitting, key=_fastest) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
     if fitting and best.degree > 1 and not result.fixed_checkpointing:
         relaxed = _relaxed_checkpointing(best, views[best.plan.expert_parallel.signature()], cluster,
@@ -373,8 +385,7 @@ def _screen_line(found: list[EPOption], result: AutoResult, cluster: Cluster, op
     hsdp = any(o.plan.mesh is not None and o.plan.mesh.replicate > 1 for o in found)
     flat = cluster.world_size if hsdp and (tp is None or tp.degree == 1) else 0
     split = f", {options.micro_batches} micro-batches" if options.micro_batches > 1 else ""
-    own = any(o.plan.expert_parallel is not None and not o.plan.expert_parallel.per_param_mesh for o in found)
-    where = "the experts in groups of their own" if own else "the experts sharded in their blocks' calls"
+    where = "the experts sharded in their blocks' calls where not said otherwise"
     return f"auto's EP screen (its groups, {where}{split}): " + ", ".join(
         f"{o.describe(flat=flat)} {fmt_time(o.step.step_time)}" + (
             "" if result.memory.fits(o.step.reserved_memory)
