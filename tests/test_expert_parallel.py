@@ -1153,3 +1153,49 @@ def test_experts_in_their_blocks_calls_wherever_the_groups_cut_the_blocks() -> N
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+def test_edited_ep_plan_files_get_one_sentence_from_simulate_and_export(tmp_path) -> None:
+    """A trial's edits of an EP plan file, each refused alike by simulate and export (export does not build a model
+    file's model, and wrote code for some: an experts module in no group lost its EP silently): the experts group
+    removed, two experts modules in one group with the experts' own calls, a prefetch list; a root call holding
+    the experts is named so, not by its empty name."""
+    made = tmp_path / "plan.json"
+    r = run_main("plan", TINY, "--policy", "titan", "--ep", "2", "--cluster", "h100:4", "--out", str(made))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(made.read_text())
+    experts = next(i for i, g in enumerate(data["groups"]) if g["modules"] == ["layers.0.moe.experts"])
+
+    def edited(name: str, change) -> str:  # type: ignore[no-untyped-def]
+        d = json.loads(json.dumps(data))
+        change(d)
+        (tmp_path / name).write_text(json.dumps(d))
+        return str(tmp_path / name)
+
+    def drop(d: dict) -> None:
+        d["groups"][-1]["params"] += d["groups"].pop(experts)["params"]
+
+    def merge(d: dict) -> None:
+        d["expert_parallel"]["per_param_mesh"] = False
+        other = next(g for g in d["groups"] if g["modules"] == ["layers.1.moe.experts"])
+        d["groups"][experts]["modules"] += other["modules"]
+        d["groups"][experts]["params"] += other["params"]
+        d["groups"].remove(other)
+
+    def prefetch(d: dict) -> None:
+        d["groups"][0]["forward_prefetch"] = [1]
+
+    def rootless(d: dict) -> None:  # the blocks' params to the root's call, which then holds the experts
+        for block in [g for g in d["groups"] if g["modules"] in (["layers.0"], ["layers.1"])]:
+            d["groups"][-1]["params"] += block["params"]
+            d["groups"].remove(block)
+
+    for name, change, said in (("drop", drop, "is in no group of its own"),
+                               ("merge", merge, "is not a group of its own, and this plan (per_param_mesh false)"),
+                               ("prefetch", prefetch, "cannot have explicit prefetch lists yet")):
+        path = edited(f"{name}.json", change)
+        for command in (["simulate", TINY, "--plan", path, "--cluster", "h100:4"], ["export", path]):
+            r = run_main(*command)
+            assert r.returncode == 2 and said in r.stderr.strip().splitlines()[-1], (name, command[0], r.stderr)
+    r = run_main("simulate", TINY, "--plan", edited("rootless.json", rootless), "--cluster", "h100:4")
+    assert r.returncode == 2 and "in the fully_shard call of the root module (a per-param mesh)" in r.stderr, r.stderr

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from fsdp_planner.apply.policies import plan_policies, reshard_arg
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.expert_groups import alone_refusal, check_no_prefetch
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.models import ModelSpec, hf, load_model
 from fsdp_planner.models.hf_experts import (
@@ -136,15 +137,6 @@ def _expert_placement(module: nn.Module, name: str, plan: Plan) -> Any:
     return (lambda param: Shard(dims[id(param)]) if id(param) in dims else None) if dims else None
 
 
-def check_no_prefetch(plan: Plan) -> None:
-    """An EP plan's expert groups are sharded apart from the rest, whose explicit prefetch lists name groups by
-    position: refused rather than prefetching the wrong groups."""
-    if any(g.forward_prefetch or g.backward_prefetch for g in plan.groups):
-        raise PlannerError("a plan with expert parallelism cannot have explicit prefetch lists yet (they name groups "
-                           "by position, and the expert groups are sharded apart): drop forward_prefetch and "
-                           "backward_prefetch")
-
-
 def check_experts_run(modules: dict[str, nn.Module], experts: list[str], degree: int, tp_degree: int) -> None:
     """Refuse EP of experts apply does not run, before any module is changed: transformers' experts layers with
     TP (``NO_EP_TP``) or that transformers' EP does not run (``check_runs_ep``)."""
@@ -181,10 +173,8 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
     experts = plan.expert_parallel.experts(modules)
     alone = {g.modules[0]: g for g in plan.groups if len(g.modules) == 1}
     per_param = plan.expert_parallel.per_param_mesh  # (expert groups of several modules: one call's param group)
-    missing = [] if per_param else [name for name in experts if name not in alone]
-    if missing:
-        raise PlannerError(f"expert module {missing[0]} is not a group of its own: expert parallelism shards it over "
-                           "the EP-reduced mesh (fsdp2/expert_groups.with_expert_groups makes such a plan)")
+    if not per_param and (said := alone_refusal(plan, experts)):
+        raise PlannerError(said)
     dp_mod_ep, ep = expert_parallel_meshes(plan, mesh)
     shard = dp_mod_ep.size(dp_mod_ep.ndim - 1)  # the experts' shard dim (after dp_replicate under HSDP)
     mp, offload = plan_policies(plan, mp_policy, offload_policy)

@@ -28,14 +28,14 @@ from typing import Any
 import torch
 
 import fsdp_planner.apply.torchtitan_parallelize as titan
-from fsdp_planner.apply.expert_parallel import check_no_prefetch, expert_reduction
+from fsdp_planner.apply.expert_parallel import expert_reduction
 from fsdp_planner.apply.fully_shard import module_parents
 from fsdp_planner.apply.torchtitan_job import torchtitan_job
 from fsdp_planner.choices import DEFAULT_PRECISION, ExportFormat, ReduceDtype
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.claim import dag_ancestors, hooked_modules, shard_order, topological_order
-from fsdp_planner.fsdp2.expert_groups import hosts_or_refusal, named_parent
+from fsdp_planner.fsdp2.expert_groups import alone_refusal, check_no_prefetch, hosts_or_refusal, named_parent
 from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
@@ -1005,6 +1005,8 @@ EP_PER_PARAM_REDUCTION = """    expert_reduction(modules, EXPERTS, expert_divide
 """
 
 GROUP_LINE = "        names, reshard = GROUPS[i]\n"
+# the last line of apply()'s check of the plan's names, before which no module is changed
+NAMES_CHECKED = """                         "model, or an edited one)")\n"""
 EP_SKIP = """        if names[0] in EXPERTS:  # sharded above
             continue
 """
@@ -1025,19 +1027,23 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
         raise PlannerError(f"{plan.model}: {NO_EP_TP}; export a plan without expert parallelism or without TP")
     experts = [m for g in plan.inner_groups if (len(g.modules) == 1 or ep.per_param_mesh)
                and all(any(matches(p, m) for p in ep.modules) for m in g.modules) for m in g.modules]
-    if ep.per_param_mesh and isinstance(refused := hosts_or_refusal(plan, experts, named_parent), str):
-        raise PlannerError(refused)  # (the model is not built here: its module names say the calls)
+    # (the model is not built here: the plan's names say its experts modules and their calls)
+    named = [m for m in ep.modules if "*" not in m]
+    refused = hosts_or_refusal(plan, named or experts, named_parent) if ep.per_param_mesh else \
+        alone_refusal(plan, named)
+    if isinstance(refused, str):
+        raise PlannerError(refused)
     if not experts:
-        raise PlannerError("the plan's expert-parallel modules are not groups of their own: expert parallelism "
-                           "shards each over the EP-reduced mesh (fsdp2/expert_groups.with_expert_groups)")
-    modules_line = "    modules = dict(model.named_modules())\n"
+        raise PlannerError("the plan's expert-parallel modules are not groups of their own: give each one (plan --ep "
+                           "makes them)")
     split = EP_PER_PARAM_SPLIT if ep.per_param_mesh else EP_SPLIT
     if plan.tp_degree > 1:  # the experts over the whole mesh first (as apply_plan: TP's styles replicate every
         # param not yet distributed), then TP, then the other groups over the mesh's dp dims
         assert TP_APPLY_LINE + TP_SPLIT in body
         body = body.replace(TP_APPLY_LINE + TP_SPLIT, TP_APPLY_LINE, 1)
         split += TP_SPLIT
-    body = body.replace(modules_line, modules_line + split, 1).replace(GROUP_LINE, GROUP_LINE + EP_SKIP, 1)
+    assert NAMES_CHECKED in body  # the experts are changed after the names are checked, as every other module
+    body = body.replace(NAMES_CHECKED, NAMES_CHECKED + split, 1).replace(GROUP_LINE, GROUP_LINE + EP_SKIP, 1)
     tail = EP_TAIL + EP_EXPERTS
     if ep.per_param_mesh:
         assert ROOT_SHARD_END in body  # (the grads of the experts would be EP times too large without it)

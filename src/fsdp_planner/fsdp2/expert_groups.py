@@ -27,8 +27,10 @@ def expert_param_indices(plan: Plan, trace: Trace) -> tuple[int, ...]:
 
 
 def check_expert_groups(plan: Plan, trace: Trace) -> None:
-    """Refuse a plan whose groups mix expert params with others: FSDP2 shards a group over one mesh; on a
-    per-param mesh, one whose expert groups are not the calls' own (``param_group_hosts``)."""
+    """Refuse a plan whose groups mix expert params with others: FSDP2 shards a group over one mesh; whose experts
+    modules share a call of their own (each is one, ``alone_refusal``); on a per-param mesh, one whose expert
+    groups are not the calls' own (``param_group_hosts``); with explicit prefetch lists (``check_no_prefetch``)."""
+    check_no_prefetch(plan)
     experts = {trace.params[i].fqn for i in expert_param_indices(plan, trace)}
     mixed = [i for i, g in enumerate(plan.groups) if experts & set(g.params) and not set(g.params) <= experts]
     if mixed:
@@ -36,7 +38,31 @@ def check_expert_groups(plan: Plan, trace: Trace) -> None:
                            "experts over the EP-reduced mesh: give each expert module its own group (as "
                            "torchtitan's fully_shard(block.moe.experts)), e.g. with --ep, which does it: "
                            f"{short_list(g for g in plan.groups[mixed[0]].modules)}")
+    ep = plan.expert_parallel
+    if ep is not None and not ep.per_param_mesh and (said := alone_refusal(plan, ep.experts(trace.modules))):
+        raise PlannerError(said)
     param_group_hosts(plan, trace)
+
+
+def check_no_prefetch(plan: Plan) -> None:
+    """An EP plan's expert groups are sharded apart from the rest (in calls of their own or as their blocks' second
+    param groups), while explicit prefetch lists name groups by position: refused rather than prefetching the
+    wrong groups."""
+    if plan.expert_parallel is not None and any(g.forward_prefetch or g.backward_prefetch for g in plan.groups):
+        raise PlannerError("a plan with expert parallelism cannot have explicit prefetch lists yet (they name groups "
+                           "by position, and the expert groups are sharded apart): drop forward_prefetch and "
+                           "backward_prefetch")
+
+
+def alone_refusal(plan: Plan, experts: list[str]) -> str | None:
+    """Why ``plan``'s experts modules cannot each be sharded in a call of their own (``per_param_mesh`` false): one
+    listed in no group alone (None: each is)."""
+    alone = {g.modules[0] for g in plan.groups if len(g.modules) == 1}
+    missing = [name for name in experts if name not in alone]
+    if missing:
+        return (f"the experts module '{missing[0]}' is not a group of its own, and this plan (per_param_mesh false) "
+                "shards each experts module in a fully_shard call of its own: give it one (plan --ep makes them)")
+    return None
 
 
 def with_expert_groups(plan: Plan, trace: Trace) -> Plan:
@@ -175,7 +201,7 @@ def hosts_or_refusal(plan: Plan, experts: list[str], parent_of: Callable[[str], 
     hosts: dict[int, int] = {}
     for expert in experts:
         if expert not in of_expert:
-            return f"the expert module '{expert}' is in no group of its own: give it one (plan --out makes them)"
+            return f"the expert module '{expert}' is in no group of its own: give it one (plan --ep makes them)"
         host = _host(expert, group_of, parent_of, len(plan.groups) - 1)
         mine = of_expert[expert]
         if hosts.get(mine, host) != host or (host in hosts.values() and mine not in hosts) or \
@@ -184,14 +210,15 @@ def hosts_or_refusal(plan: Plan, experts: list[str], parent_of: Callable[[str], 
                                 f"of their own (FSDP2 gathers them as one param group), not split or mixed: "
                                 f"{short_list(plan.groups[mine].modules, 3)}")
         own, block = plan.groups[mine], plan.groups[host]
+        call = "the root module" if block.is_root else short_list(block.modules, 3)
         if not isinstance(block.reshard_after_forward, bool):
             return (f"the experts '{expert}' are sharded in the fully_shard call of "
-                                f"{short_list(block.modules, 3)} (a per-param mesh), which reshards to "
+                                f"{call} (a per-param mesh), which reshards to "
                                 f"{block.reshard_after_forward} ranks after forward: FSDP2 reshards no DTensor param "
                                 "to a smaller mesh; give that group true or false, or the plan per_param_mesh false")
         if own.reshard_after_forward != block.reshard_after_forward:
             return (f"the experts '{expert}' are sharded in the fully_shard call of "
-                                f"{short_list(block.modules, 3)} (a per-param mesh), which reshards them after "
+                                f"{call} (a per-param mesh), which reshards them after "
                                 f"forward as it does its own params ({block.reshard_after_forward}), not as their "
                                 f"group says ({own.reshard_after_forward}): give both the same reshard_after_forward")
         hosts[mine] = host

@@ -65,7 +65,10 @@ class ExpertParallel:
         return [n for n in names if n in hits]
 
     def describe(self) -> str:
-        return f"EP {self.degree}" + (f" (skew {self.skew:g})" if self.skew != 1.0 else "")
+        """"EP 8", "EP 8 (skew 1.5)"; the experts' own calls said ("EP 8 (experts' own calls)"): torchtitan's
+        layout since March 2026 goes without saying."""
+        said = [f"skew {self.skew:g}"] * (self.skew != 1.0) + ["experts' own calls"] * (not self.per_param_mesh)
+        return f"EP {self.degree}" + (f" ({', '.join(said)})" if said else "")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"degree": self.degree, "modules": list(self.modules)}

@@ -552,7 +552,7 @@ def _precision_from(value: Any) -> str:
 
 # the EP term the planner writes in a plan's policy label (``service/planning.with_ep``, auto's EP screens):
 # "EP 4", "EP 8 (skew 1.5)", then what the screens add ("(experts' own calls, kept after forward)", "on 2x4")
-_EP_TERM = re.compile(r", EP \d+(?: \(skew [0-9.e+]+\))?(?: \([^()]*\))?(?: on \d+x\d+)?")
+_EP_TERM = re.compile(r", EP \d+(?: \([^()]*\)){0,2}(?: on \d+x\d+)?")
 _EP_DEGREE = re.compile(r"\bEP \d+")
 
 
