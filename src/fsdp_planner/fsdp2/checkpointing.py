@@ -240,19 +240,6 @@ def recomputed_spans(trace: Trace, plan: Plan) -> dict[int, tuple[int, int]]:
     return memo[key]
 
 
-def recreated_at(trace: Trace, plan: Plan) -> frozenset[int]:
-    """The pre-backwards of the checkpointed calls whose forward runs again (``recomputed_spans``'): where the
-    simulator re-creates their saved activations (``sim/recompute.py``), after FSDP2's hooks there have copied out
-    and freed their all-gathers (``fsdp2/replay.py``)."""
-    key = ("recreated_at", plan.activation_checkpointing, tuple(plan.selective_checkpointing),
-           plan.activation_offloading, plan.checkpoint_early_stop)
-    memo = trace.index.memo
-    if key not in memo:
-        memo[key] = frozenset(c[2] for c in _checkpointed(trace, key[1] + key[2], plan.activation_offloading,
-                                                          plan.checkpoint_early_stop))
-    return memo[key]
-
-
 def _checkpointed(trace: Trace, planned: tuple[str, ...], offloaded: tuple[str, ...], stops: bool
                   ) -> list[tuple[int, int, int, int, bool]]:
     """The checkpointed calls whose forward runs again: their four boundaries and whether they stop early."""

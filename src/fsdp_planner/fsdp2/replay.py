@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from fsdp_planner.fsdp2.checkpointing import recomputed_spans, recreated_at
+from fsdp_planner.fsdp2.checkpointing import recomputed_spans
 from fsdp_planner.fsdp2.claim import hooked_modules
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.expert_groups import param_group_hosts
@@ -109,7 +109,6 @@ class _Shared:
     # it as its recomputation ends (``Replay._recompute``)
     root_done: bool = False
     reshard_after_backward: bool = True  # FSDPParamGroup.reshard_after_backward (``set_reshard_after_backward``)
-    recreated_at: frozenset[int] = frozenset()  # pre-backwards where checkpointed activations are re-created
 
     def free_output(self, collective: int, end: int) -> None:
         self.schedule.collectives[collective] = self.schedule.collectives[collective].freed_at(end)
@@ -201,17 +200,11 @@ class GroupReplay:
             self.shared.free_all_gather_state(at)  # the previous forward all-gather's output, before this copy-out
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             self._hold_until(at, divisor=int(self.reshard_after_forward))
-        since = at
         if forward:
             self.shared.all_gather_state = self.pending  # kept until the next copy-out or the root's post-forward
-        elif at in self.shared.recreated_at:  # a checkpointed call's activations are re-created at this boundary,
-            # after this hook freed the output: the copy-out's moment (the output and the params beside what
-            # backward held before the hook) is counted at the event before
-            self.shared.free_output(self.pending, at)
-            since = at - 1
         else:
             self.shared.free_output(self.pending, at + 1)
-        self.sharded_state, self.since, self.pending = ShardedState.UNSHARDED, since, None
+        self.sharded_state, self.since, self.pending = ShardedState.UNSHARDED, at, None
 
     def reshard(self, at: int) -> None:
         if self.sharded_state is not ShardedState.UNSHARDED:
@@ -433,7 +426,6 @@ class Replay:
         # _post_forward itself, past a list group's gate (_register_group_forward_hooks' modules_to_run)
         self.method_calls = {call for call, name in trace.method_calls.items() if (call[0], name) in methods}
         self.recomputed = recomputed_spans(trace, plan)  # where a checkpointed forward runs again -> its span
-        self.shared.recreated_at = recreated_at(trace, plan)
         self.hooked: list[int] = []
 
     def _join_states(self, hosts: dict[int, int], group_params: Sequence[Sequence[int]]) -> None:

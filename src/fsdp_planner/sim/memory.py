@@ -341,9 +341,6 @@ class MemoryModel:
                 # the output buffer lives from the issue until FSDP2 frees it (``Collective.output_freed``); a
                 # prefetch is issued in a hook after that hook's own copy-out, so it counts from the next event
                 at = c.event + c.prefetch
-                if c.backward and 0 < c.output_freed <= at:  # freed in its own hook, before activations are
-                    at = c.output_freed - 1  # re-created there: its copy-out's moment is the event before
-                    # (``GroupReplay.wait_for_unshard``)
                 changes.add(1, at, c.output_freed, groups[c.group].gather_bytes)
                 if not self.offload:  # the shards cast to the all-gather dtype, copied in beside it
                     changes.add(1, at, at + 1, self.sizing.gather_cast_bytes(groups[c.group].params, c.ranks))
