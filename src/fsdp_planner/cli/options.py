@@ -115,8 +115,10 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                          "auto chooses among 1, 2, 4, 8")
     sp.add_argument("--ep", type=positive_int("--ep", MAX_EP_DEGREE), default=None, metavar="N",
                     help="expert parallelism of degree N over the model's grouped experts (E / N experts a rank, "
-                         "the tokens sent to them by all-to-all), each experts module FSDP-sharded over the "
-                         "data-parallel shard ranks / N, as torchtitan; default none")
+                         "the tokens sent to them by all-to-all), the experts FSDP-sharded over the data-parallel "
+                         "shard ranks / N in their blocks' fully_shard calls (a per-param mesh, as torchtitan "
+                         "since 2026-03), or in calls of their own where auto finds that faster (a plan file's "
+                         "expert_parallel.per_param_mesh fixes it); default none")
     sp.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=None,
                     help="with TP: keep the output head's logits sharded on the vocab and run the loss under "
                          "loss_parallel() (default on where the layout shards the output head, as torchtitan)")
