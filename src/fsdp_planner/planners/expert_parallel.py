@@ -475,17 +475,16 @@ def _rank(o: EPOption, result: AutoResult) -> tuple[bool, float]:
 
 
 def _shown(found: list[EPOption], result: AutoResult) -> list[EPOption]:
-    """The screen's options as noted: every one on auto's own layout, the best of each other HSDP layout."""
-    own = [o for o in found if o.plan.mesh == result.plan.mesh]
-    others: dict[object, list[EPOption]] = {}
+    """The screen's options as noted: on auto's own layout the best of each EP degree (of its placements and
+    resharding), on each other HSDP layout its best (four options a degree, every one on a line, made the note
+    1,000 characters long on mixtral-8x7b)."""
+    best: dict[object, list[EPOption]] = {}
     for o in found:
-        if o.plan.mesh != result.plan.mesh:
-            others.setdefault(o.plan.mesh, []).append(o)
-    out = list(own)
-    for opts in others.values():
+        best.setdefault((o.degree, None) if o.plan.mesh == result.plan.mesh else o.plan.mesh, []).append(o)
+    out = []
+    for opts in best.values():
         fitting = [o for o in opts if result.memory.fits(o.step.reserved_memory)]
-        out.append(min(fitting, key=lambda o: o.step.step_time) if fitting else
-                   min(opts, key=lambda o: o.step.reserved_memory))
+        out.append(min(fitting, key=_fastest) if fitting else min(opts, key=lambda o: o.step.reserved_memory))
     return out
 
 
