@@ -240,20 +240,15 @@ def recomputed_spans(trace: Trace, plan: Plan) -> dict[int, tuple[int, int]]:
     return memo[key]
 
 
-def _checkpointed(trace: Trace, planned: tuple[str, ...], offloaded: tuple[str, ...], stops: bool
-                  ) -> list[tuple[int, int, int, int, bool]]:
-    """The checkpointed calls whose forward runs again: their four boundaries and whether they stop early."""
-    own = own_calls(trace, (*planned, *offloaded))
-    mine = {(c.module, c.call) for c in own}
-    calls = [(*b[1:], stops) for m in planned for b in backward_calls(trace, m) if (m, b[0]) not in mine]
-    return calls + [(*r[2:6], True) for r in own_regions(trace, own)]
-
-
 def _recomputed_spans(trace: Trace, planned: tuple[str, ...], offloaded: tuple[str, ...], stops: bool
                       ) -> dict[int, tuple[int, int]]:
     """``stops``: the plan's checkpoints stop early (the model's own regions do, as torch's default)."""
+    own = own_calls(trace, (*planned, *offloaded))
+    mine = {(c.module, c.call) for c in own}
+    calls = [(*b[1:], stops) for m in planned for b in backward_calls(trace, m) if (m, b[0]) not in mine]
+    calls += [(*r[2:6], True) for r in own_regions(trace, own)]
     out = {}
-    for fwd_pre, fwd_post, bwd_pre, bwd_post, stopping in _checkpointed(trace, planned, offloaded, stops):
+    for fwd_pre, fwd_post, bwd_pre, bwd_post, stopping in calls:
         stop = early_stop(trace, fwd_pre, fwd_post)
         out[recomputed_at(trace, stop, fwd_post, bwd_pre, bwd_post)] = (fwd_pre, stop if stopping else fwd_post)
     return out

@@ -78,7 +78,7 @@ def with_expert_groups(plan: Plan, trace: Trace) -> Plan:
     experts = ep.experts(trace.modules)
     own = [g for g in plan.inner_groups if set(g.modules) <= set(experts)]
     if {m for g in own for m in g.modules} == set(experts) and \
-            (_holds(plan, trace) if ep.per_param_mesh else all(len(g.modules) == 1 for g in own)):
+            (_holds(plan, trace) if ep.per_param_mesh else alone_refusal(plan, experts) is None):
         return plan
     if any(g.forward_prefetch or g.backward_prefetch for g in plan.groups):
         raise PlannerError("cannot move the experts into their own groups in a plan with explicit prefetch lists "

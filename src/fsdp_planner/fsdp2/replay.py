@@ -173,6 +173,11 @@ class GroupReplay:
         return self._members or (self,)
 
     @property
+    def param_groups(self) -> list[GroupReplay]:
+        """Its state's members that are param groups in FSDP2 (a call claiming no params of its own makes none)."""
+        return [m for m in self.state.members if m.has_params]
+
+    @property
     def state(self) -> GroupReplay:
         """The group whose hooks drive this one: its state's (itself, mostly)."""
         return self._state or self
@@ -327,7 +332,7 @@ class GroupReplay:
             return
         current = self.post_forward_indices.pop()
         order = self.shared.post_forward_order
-        groups = [m for m in self.state.members if m.has_params]  # (a call's own params may be none: no group)
+        groups = self.param_groups
         if len(groups) == 1:
             if current > 0:
                 order[current - 1].unshard(at, backward=True, prefetch=True)
@@ -438,10 +443,8 @@ class Replay:
             state._members = sorted([*state.members, self.groups[member]],
                                     key=lambda r: min(group_params[r.index], default=never))
             self.groups[member]._state = state
-        kept: list[int] = []  # (a call's own params may be none: no param group of them)
-        for host in set(hosts.values()):
-            kept.extend(r.index for r in [m for m in self.groups[host].members if m.has_params][:-1])
-        self.shared.schedule.keeps_reduce_inputs = frozenset(kept)
+        self.shared.schedule.keeps_reduce_inputs = frozenset(
+            r.index for host in set(hosts.values()) for r in self.groups[host].param_groups[:-1])
 
     def hooked_events(self) -> list[int]:
         """Boundary events of the modules FSDP2 hooks (``hooked_modules`` of each group), in order; a call of a
