@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.checkpointing import recomputed_at
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.fsdp2.replay import Collective
@@ -213,7 +212,7 @@ class SimContext:
                 ops = int(self.trace.index.ops_through[c.end - 1] - self.trace.index.ops_through[c.fwd_pre]) - len(kept)
                 # where backward first unpacks: after the pre-backward of the inner groups that ran after the last
                 # pack, whose all-gathers the recomputation then waits for (``recomputed_at``)
-                at = recomputed_at(self.trace, c.last_pack, c.fwd_post, c.bwd_pre, c.bwd_post)
+                at = c.runs_again_at(self.trace)
                 prev = out.get(at)
                 out[at] = Recompute(seconds, frozenset(params), [c.module], ops) if prev is None else \
                     Recompute(prev.seconds + seconds, prev.params | params, [*prev.modules, c.module],
