@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from conftest import launch_env, max_abs_diff, run_main
@@ -698,6 +699,30 @@ def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int, dim1:
         assert shards[0]["layers.0.attention.wq.weight"][2] == ("dp_replicate", "dp_shard")
 
 
+def test_ep_placement_chooses_where_the_experts_are_sharded(tmp_path) -> None:
+    """--ep-placement: 'own' gives each experts module a fully_shard call of its own (the plan file's
+    per_param_mesh false), 'blocks' their blocks' calls; auto's EP screen keeps to the one given; without EP it is
+    one sentence; with a plan file, a note."""
+    plans = {}
+    for placement in ("own", "blocks"):
+        out = tmp_path / f"{placement}.json"
+        r = run_main("plan", TINY, "--policy", "auto", "--ep", "2", "--ep-placement", placement, "--cluster", "h100:4",
+                     "--out", str(out))
+        assert r.returncode == 0, r.stderr[-2000:]
+        plans[placement] = json.loads(out.read_text())["expert_parallel"]
+    assert plans["own"].get("per_param_mesh", False) is False and plans["blocks"]["per_param_mesh"] is True
+    r = run_main("plan", TINY, "--policy", "titan", "--ep-placement", "own", "--cluster", "h100:4")
+    assert r.returncode != 0 and "--ep-placement says where FSDP2 shards the experts" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run_main("simulate", TINY, "--plan", str(tmp_path / "own.json"), "--ep-placement", "blocks", "--cluster",
+                 "h100:4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--ep-placement has no effect with --plan: the plan file already fixes its expert parallelism" in r.stderr
+    with pytest.raises(PlannerError, match="ep_placement"):
+        api.plan(TINY, cluster="h100:4", policy="titan", ep=2, ep_placement="nowhere")
+    assert not api.plan(TINY, cluster="h100:4", policy="titan", ep=2, ep_placement="own").expert_parallel.per_param_mesh
+
+
 def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
     """torchtitan's expert_parallel_degree becomes --ep (bounded and checked as --ep is), and the plan has it."""
     from fsdp_planner.cli import build_parser
@@ -708,6 +733,16 @@ def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
     args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
                                                     "h100:8", "--policy", "titan"]))
     assert args.ep == 2
+    # a TOML job's torchtitan (before its config registry) gave each experts module a fully_shard call of its own;
+    # the registry's (since pytorch/torchtitan#2281) shards them in their blocks' calls; --ep-placement wins
+    assert args.ep_placement == "own"
+    given, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                     "h100:8", "--ep-placement", "blocks"]))
+    assert given.ep_placement == "blocks"
+    registry = Path(__file__).resolve().parent / "fixtures" / "torchtitan" / "deepseek_v3" / "config_registry.py"
+    titan, _ = configured(build_parser().parse_args(["plan", "--from-torchtitan", f"{registry}:deepseek_v3_16b",
+                                                     "--cluster", "h100:8"]))
+    assert (titan.ep, titan.ep_placement) == (8, "blocks")
 
     assert api.plan(TINY, cluster="h100:8", policy="titan", ep=args.ep).ep_degree == 2
     # HSDP kept with EP (EP's ranks out of dp_shard: 4 here); EP with TP kept (EP's ranks out of dp_shard x tp),

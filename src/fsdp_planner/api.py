@@ -46,7 +46,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
          shard_placement: str | None = None, attention: str | None = None,
          routing: float | None = None, hf_config: dict[str, Any] | None = None,
          gradient_sync: str | None = None, tp: int | None = None, loss_parallel: bool | None = None,
-         async_tp: bool = False, ep: int | None = None, fp32_modules: tuple[str, ...] = ()) -> Plan:
+         async_tp: bool = False, ep: int | None = None, ep_placement: str | None = None,
+         fp32_modules: tuple[str, ...] = ()) -> Plan:
     """The FSDP2 plan for ``model`` on ``cluster``: the plan ``fsdp-planner plan ... --policy POLICY --out`` writes
     for the same model and options (each keyword is the option of the same name, ``-`` as ``_``, checked by the
     same validator with the same types and ranges: a bool is a bool; the README's Python API section lists them).
@@ -54,7 +55,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     string with ``batch`` and ``policy="auto"``). ``hf_config``: a dict of ``--hf-config`` fields, for an ``hf:``
     MODEL spec. ``tp``: tensor parallelism of that degree inside each node (``--tp``; default none, and auto
     chooses among 1, 2, 4 and 8), with ``loss_parallel`` and ``async_tp``. ``ep``: expert parallelism of that degree
-    over the model's grouped experts (``--ep``; default none). ``fp32_modules``: modules kept in fp32 groups of their
+    over the model's grouped experts (``--ep``; default none), the experts sharded where ``ep_placement``
+    says (``--ep-placement``: "blocks" or "own"). ``fp32_modules``: modules kept in fp32 groups of their
     own under a mixed precision (``--fp32-modules``, e.g. MoE routers; BatchNorm with running stats needs no asking).
 
     ``model`` is an ``nn.Module`` (on meta or real) with its ``inputs`` (a tuple of positional args, one tensor or
@@ -84,7 +86,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         module_classes=module_classes or None, search_effort=search_effort, target=target,
         reduce_dtype=reduce_dtype, shard_placement=shard_placement, attention=attention, routing=routing,
         hf_config=hf_config, gradient_sync=gradient_sync, tp=tp, loss_parallel=loss_parallel, async_tp=async_tp,
-        ep=ep, fp32_modules=fp32_modules or None)
+        ep=ep, ep_placement=ep_placement, fp32_modules=fp32_modules or None)
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
                       split_by_default=True)
     tracer: Tracer = ((lambda spec, options: trace_spec(spec, options.precision)) if isinstance(model, str)

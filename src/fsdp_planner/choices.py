@@ -90,6 +90,17 @@ class GradientSync(Enum):
 GRADIENT_SYNC_NAMES = tuple(g.value for g in GradientSync)
 
 
+class ExpertPlacement(Enum):
+    """Where FSDP2 shards the routed experts of an EP plan (``--ep-placement``; the plan's
+    ``expert_parallel.per_param_mesh``)."""
+
+    BLOCKS = "blocks"  # in their blocks' fully_shard calls on a per-param mesh (torchtitan since 2026-03)
+    OWN = "own"  # each experts module fully_shard-ed alone (torchtitan before): kept unsharded apart from its block
+
+
+EXPERT_PLACEMENT_NAMES = tuple(p.value for p in ExpertPlacement)
+
+
 class ShardPlacement(Enum):
     """Which dim ``fully_shard(shard_placement_fn=...)`` shards a param on."""
 

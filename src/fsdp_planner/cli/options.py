@@ -11,6 +11,7 @@ from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
+    EXPERT_PLACEMENT_NAMES,
     FLOAT8_RECIPES,
     GRADIENT_SYNC_NAMES,
     OPTIMIZER_NAMES,
@@ -117,8 +118,13 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                     help="expert parallelism of degree N over the model's grouped experts (E / N experts a rank, "
                          "the tokens sent to them by all-to-all), the experts FSDP-sharded over the data-parallel "
                          "shard ranks / N in their blocks' fully_shard calls (a per-param mesh, as torchtitan "
-                         "since 2026-03), or in calls of their own where auto finds that faster (a plan file's "
-                         "expert_parallel.per_param_mesh fixes it); default none")
+                         "since 2026-03), or in calls of their own where auto finds that faster (--ep-placement "
+                         "fixes it); default none")
+    sp.add_argument("--ep-placement", choices=EXPERT_PLACEMENT_NAMES, default=None,
+                    help="with EP: where FSDP2 shards the experts: 'blocks', in their blocks' fully_shard calls on a "
+                         "per-param mesh (torchtitan since 2026-03), or 'own', each experts module fully_shard-ed "
+                         "alone (torchtitan before; it can stay unsharded after forward apart from its block); "
+                         "default blocks, and auto chooses (the plan file's expert_parallel.per_param_mesh)")
     sp.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=None,
                     help="with TP: keep the output head's logits sharded on the vocab and run the loss under "
                          "loss_parallel() (default on where the layout shards the output head, as torchtitan)")

@@ -114,6 +114,7 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--mesh": ("mesh", tuple(PolicyName)),
     "--tp": ("tp", tuple(PolicyName)),
     "--ep": ("ep", tuple(PolicyName)),
+    "--ep-placement": ("ep_placement", tuple(PolicyName)),
     "--loss-parallel": ("loss_parallel", tuple(PolicyName)),
 }
 
@@ -150,7 +151,7 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
         if plan_file:
             fixed = "its layout (the mesh it was planned on)" if option == "--mesh" else \
                 "its tensor parallelism" if option in ("--tp", "--loss-parallel") else \
-                "its expert parallelism" if option == "--ep" else "the groups"
+                "its expert parallelism" if option in ("--ep", "--ep-placement") else "the groups"
             notes.append(f"{option} has no effect with --plan: the plan file already fixes {fixed}")
             continue
         users = " and ".join(f"--policy {r.value}" for r in readers)

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from fsdp_planner.choices import ShardPlacement
+from fsdp_planner.choices import ExpertPlacement, ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.expert_groups import param_group_hosts, with_expert_groups
@@ -167,6 +167,14 @@ def ep_degrees(trace: Trace, shard: int) -> list[int]:
 PER_PARAM_MESH = True
 
 
+def per_param_meshes(placement: ExpertPlacement | None) -> tuple[bool, ...]:
+    """The ``per_param_mesh`` values an EP screen tries: the user's ``placement`` (``--ep-placement``), else both,
+    torchtitan's first."""
+    if placement is None:
+        return (PER_PARAM_MESH, False)
+    return (placement is ExpertPlacement.BLOCKS,)
+
+
 def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.0, shard: int = 0,
                          placement: ShardPlacement | None = None, per_param_mesh: bool = PER_PARAM_MESH) -> Plan:
     """``plan`` with EP of ``degree`` over the model's expert modules, each its own group (sharded in its block's
@@ -228,21 +236,23 @@ class EPOption:
 
 def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, skew: float = 1.0,
                degrees: tuple[int, ...] = (), views: dict[tuple, Trace] | None = None,
-               without: bool = True, placement: ShardPlacement | None = None) -> list[EPOption]:
+               without: bool = True, placement: ShardPlacement | None = None,
+               per_param: tuple[bool, ...] = (PER_PARAM_MESH, False)) -> list[EPOption]:
     """``plan`` (without EP; ``without``: simulated so too, first) under ``degrees`` (default every EP degree the
     model and its shard ranks allow), the experts in their blocks' calls (torchtitan's) or in calls of their own
     (which can keep them unsharded after forward apart from their blocks), resharded after forward or kept: each
     simulated. The EP screen a search runs after choosing its groups; deterministic, 4 simulations a degree.
     ``views``: the EP views built so far, by EP signature (one per degree, whatever the mesh: a view is one EP
     rank's step). A plan with TP is screened on one TP rank's view (``trace`` and ``cluster`` that view's).
-    ``placement``: AUTO shards the experts by auto's rule on their EP view (``with_expert_parallel``)."""
+    ``placement``: AUTO shards the experts by auto's rule on their EP view (``with_expert_parallel``);
+    ``per_param``: the experts' placements tried (``per_param_meshes``)."""
     shard = plan.shard_size(cluster.world_size * (plan.tp_degree if trace.tensor_parallel else 1))
     out = [EPOption(1, False, plan, simulate(trace, plan, cluster, options, timeline=False))] if without else []
     views = {} if views is None else views
     for degree in degrees or ep_degrees(trace, shard)[1:]:
-        for per_param in dict.fromkeys((PER_PARAM_MESH, False)):
-            ep_plan = with_expert_parallel(plan, trace, degree, min(skew, degree), shard, placement, per_param)
-            if ep_plan.expert_parallel.per_param_mesh != per_param:  # (an int reshard keeps the own calls)
+        for mesh in per_param:
+            ep_plan = with_expert_parallel(plan, trace, degree, min(skew, degree), shard, placement, mesh)
+            if ep_plan.expert_parallel.per_param_mesh != mesh:  # (an int reshard keeps the own calls)
                 continue
             key = ep_plan.expert_parallel.signature()
             if key not in views:
@@ -270,7 +280,8 @@ def _experts_kept(plan: Plan, trace: Trace) -> Plan:
 
 
 def hsdp_ep_options(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions,
-                    views: dict[tuple, Trace], degrees: tuple[int, ...] = ()) -> list[EPOption]:
+                    views: dict[tuple, Trace], degrees: tuple[int, ...] = (),
+                    per_param: tuple[bool, ...] = (PER_PARAM_MESH, False)) -> list[EPOption]:
     """EP (``degrees``; none given: each its dp_shard allows) on auto's other data-parallel layouts
     (``result.meshes``: each one's best plan, without TP; pure FSDP among them where auto chose HSDP), EP's ranks out
     of their dp_shard and the experts replicated over dp_replicate as torchtitan lays them out: EP shrinks the
@@ -286,7 +297,7 @@ def hsdp_ep_options(result: AutoResult, trace: Trace, cluster: Cluster, options:
             plan = cand.plan.running(result.run)
             plan = plan.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in plan.groups])
             out.extend(ep_options(trace, plan, cluster, plan_options(plan, options), degrees=degrees, views=views,
-                                  without=False))
+                                  without=False, per_param=per_param))
     return out
 
 
@@ -297,11 +308,12 @@ def best_ep_option(found: list[EPOption], budget: float) -> EPOption | None:
 
 
 def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
-                 note: Callable[[str], None] | None = None) -> AutoResult:
+                 note: Callable[[str], None] | None = None,
+                 per_param: tuple[bool, ...] = (PER_PARAM_MESH, False)) -> AutoResult:
     """Auto's ``result`` under expert parallelism: its plan's groups under each of ``degrees`` (the user's; none
     given: no EP and every degree the model and its shard ranks allow, each screened and ``note``d), on its layout
     and auto's other HSDP ones, the expert groups resharded after forward or kept, the fastest that fits (else the
-    one holding least, over the budget)."""
+    one holding least, over the budget); ``per_param``: the experts' placements tried (``per_param_meshes``)."""
     tp = result.plan.tensor_parallel
     if tp is not None and tp.degree > 1:  # screened on one TP rank's view, EP's ranks spanning TP's
         if not degrees:
@@ -309,7 +321,7 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
         view = tp_view(trace, tp, cluster, options.float8 or result.plan.float8)
         trace, cluster = view.trace, view.cluster
     views: dict[tuple, Trace] = {}
-    found = _ep_candidates(result, trace, cluster, options, degrees, views)
+    found = _ep_candidates(result, trace, cluster, options, degrees, views, per_param)
     if not result.fixed_checkpointing:
         found += _in_full(found, views, cluster, options, result.memory.fits)
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
@@ -334,7 +346,7 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
 
 
 def _ep_candidates(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
-                   views: dict[tuple, Trace]) -> list[EPOption]:
+                   views: dict[tuple, Trace], per_param: tuple[bool, ...]) -> list[EPOption]:
     """``with_auto_ep``'s options: auto's plan under ``degrees`` (none: without EP too, as searched) on its layout,
     then on auto's other layouts (``hsdp_ep_options``); the user's EP that the chosen layout's dp_shard does not take
     runs on the others that do (refused where none does)."""
@@ -343,7 +355,8 @@ def _ep_candidates(result: AutoResult, trace: Trace, cluster: Cluster, options: 
     written = written.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in written.groups])
     refused = None
     try:
-        found = ep_options(trace, written, cluster, plan_options(written, options), degrees=degrees, views=views)
+        found = ep_options(trace, written, cluster, plan_options(written, options), degrees=degrees, views=views,
+                           per_param=per_param)
     except PlannerError as e:  # the user's EP does not divide the chosen layout's dp_shard: another layout's may
         if not degrees:
             raise
@@ -352,7 +365,7 @@ def _ep_candidates(result: AutoResult, trace: Trace, cluster: Cluster, options: 
         found = found[1:]  # the user's EP, not the plan without it
     else:
         found[0] = replace(found[0], plan=result.plan, step=result.report)  # no EP: auto's own plan, as searched
-    found += hsdp_ep_options(result, trace, cluster, options, views, degrees)
+    found += hsdp_ep_options(result, trace, cluster, options, views, degrees, per_param)
     if not found and refused is not None:
         raise refused
     return found
@@ -444,7 +457,7 @@ def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str
                  "without --compile to screen it")
         return result
     if result.plan.tp_degree == 1:
-        return with_auto_ep(result, trace, cluster, options, (), note)
+        return with_auto_ep(result, trace, cluster, options, (), note, per_param_meshes(policy.ep_placement))
     if len(policy.tensor_parallel) <= 1 or policy.mesh is not None:  # a TP layout or mesh the user fixed: as asked
         return result
     flat_policy = replace(policy, tensor_parallel=())
@@ -452,7 +465,7 @@ def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str
     # plans and seconds are counted in ``result``'s already)
     done = result.searched_without_tp(flat_policy, trace)
     searched = replace(done, evaluated=0, seconds=0.0) if done is not None else flat_policy.search(trace, model)
-    flat = with_auto_ep(searched, trace, cluster, options, (), note)
+    flat = with_auto_ep(searched, trace, cluster, options, (), note, per_param_meshes(policy.ep_placement))
     return faster(result, flat)
 
 
@@ -580,7 +593,8 @@ def screen_ep_tp(layout: ScreenedLayout, degrees: tuple[int, ...], options: SimO
     views: dict[tuple, Trace] = {}
     cluster, fits = layout.policy.cluster, layout.ev.memory.fits
     found = ep_options(layout.trace, plan, cluster, plan_options(plan, options), degrees=degrees, views=views,
-                       without=False, placement=placement)
+                       without=False, placement=placement,
+                       per_param=per_param_meshes(layout.policy.ep_placement))
     blocks = block_instances(layout.trace) if layout.policy.checkpointing is None else []
     found = [_checkpointed_to_fit(o, views[o.plan.expert_parallel.signature()], blocks, cluster, options, fits)
              for o in found]

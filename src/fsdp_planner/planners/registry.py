@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from fsdp_planner.choices import DEFAULT_SAC_POLICY, POLICY_NAMES, PolicyName, SacPolicy
+from fsdp_planner.choices import DEFAULT_SAC_POLICY, POLICY_NAMES, ExpertPlacement, PolicyName, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import ACMode, check_checkpointing, checkpoint_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan
@@ -59,6 +59,8 @@ class PolicyRequest:
     tp_key: str = ""  # all, with TP: how the refusals name ``tp``: a config key, "tp" (the API); "": --tp
     ep: int | None = None  # all: the expert-parallel degree over the model's grouped experts
     # (``planners/expert_parallel.py``); None: no EP
+    ep_placement: ExpertPlacement | None = None  # all, with EP: where FSDP2 shards the experts; None: their blocks'
+    # calls (auto: chosen)
     keeps_placement: bool = False  # auto: the user gave the shard placement (``--shard-placement``): auto keeps
     # it, and does not choose dim-1 sharding of its own
 
@@ -137,7 +139,8 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
     return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
                       search_effort=request.search_effort, checkpointing=request.checkpointing,
                       sac_policy=request.sac_policy, mesh=request.mesh, headroom=request.headroom,
-                      tensor_parallel=tensor_parallel, keeps_placement=request.keeps_placement)
+                      tensor_parallel=tensor_parallel, keeps_placement=request.keeps_placement,
+                      ep_placement=request.ep_placement)
 
 
 def make_baseline(request: PolicyRequest) -> Baseline:

@@ -15,6 +15,7 @@ from fsdp_planner.choices import (
     DEFAULT_PRECISION,
     ACMode,
     AttentionKernel,
+    ExpertPlacement,
     GradientSync,
     PolicyName,
     SacPolicy,
@@ -278,6 +279,18 @@ def _same_cluster(cfg: JobConfig, spec: str, world: int) -> None:
                            f"{cfg.nodes} (num_machines): give the GPU alone (--cluster {gpu}) or agree")
 
 
+def _titan_ep_placement(m: _Merge, cfg: JobConfig) -> None:
+    """Where the job's torchtitan shards the experts: in their blocks' fully_shard calls on a per-param mesh since
+    pytorch/torchtitan#2281 (March 2026; the config registry's jobs), each experts module in a call of its own
+    before (a TOML job's: the registry replaced them in February 2026)."""
+    placement = ExpertPlacement.BLOCKS if cfg.registry else ExpertPlacement.OWN
+    m.values["ep_placement"] = placement.value
+    if placement is ExpertPlacement.OWN:
+        m.note("the experts are planned as a TOML job's torchtitan shards them: each experts module in a fully_shard "
+               "call of its own (torchtitan since pytorch/torchtitan#2281, March 2026, shards them in their blocks' "
+               "calls on a per-param mesh: --ep-placement blocks)")
+
+
 def _data_parallel(m: _Merge, dp: int) -> None:
     """The job's EP degree, HSDP mesh and micro-batches, over its ``dp`` data-parallel GPUs."""
     cfg = m.cfg
@@ -294,11 +307,8 @@ def _data_parallel(m: _Merge, dp: int) -> None:
                                f"{dp // cfg.replicate * cfg.tp} data-parallel shard x TP GPUs (EP's ranks come out "
                                "of dp_shard x tp)")
         m.given("ep", cfg.ep, "parallelism.expert_parallel_degree")
-        if cfg.kind == TORCHTITAN and not cfg.registry:  # a TOML: torchtitan before its config registry (02-2026)
-            m.note("the experts are planned as torchtitan shards them since pytorch/torchtitan#2281 (March 2026): in "
-                   "their blocks' fully_shard calls on a per-param mesh; a TOML job's torchtitan, older, gave each "
-                   "experts module a fully_shard call of its own (a plan file with expert_parallel.per_param_mesh "
-                   "false simulates that)")
+        if cfg.kind == TORCHTITAN and m.values["ep_placement"] is None:  # as the job's torchtitan shards them
+            _titan_ep_placement(m, cfg)
     elif cfg.kind == TORCHTITAN:
         m.agrees("ep", 1, "parallelism.expert_parallel_degree")
     if cfg.replicate > 1:

@@ -31,6 +31,7 @@ from fsdp_planner.models.hf import learned_positions
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.expert_parallel import (
     expert_modules,
+    per_param_meshes,
     runs_ep,
     self_routed_experts,
     with_auto_ep,
@@ -249,7 +250,8 @@ class Points:
                                "there (the figures shown are auto's without EP)")
             out = dataclasses.replace(result, fits=False)
         else:
-            out = with_auto_ep(result, self._trace(key), cluster, self.job.options, (ep,))
+            out = with_auto_ep(result, self._trace(key), cluster, self.job.options, (ep,),
+                               per_param=per_param_meshes(policy.ep_placement))
         self._before_ep[id(out)] = (out, result)  # (out kept alive: its id stays its own)
         return out
 

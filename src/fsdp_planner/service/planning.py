@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from fsdp_planner.choices import GradientSync, ShardPlacement, Target
+from fsdp_planner.choices import ExpertPlacement, GradientSync, ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
@@ -33,6 +33,7 @@ from fsdp_planner.planners.expert_parallel import (
     ep_tp_degrees,
     expert_modules,
     no_experts,
+    per_param_meshes,
     runs_ep,
     screen_ep_tp,
     self_routed_experts,
@@ -258,7 +259,7 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         assert isinstance(policy, AutoPolicy)
         result = policy.search(tr, spec.name)
         if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
-            result = with_auto_ep(result, tr, cluster, options, (ep,))
+            result = with_auto_ep(result, tr, cluster, options, (ep,), per_param=per_param_meshes(request.ep_placement))
         elif request.ep is None and expert_modules(tr) and not self_routed_experts(tr) \
                 and (runs_ep(spec, tr, 1) or not result.fits):
             # auto's own EP screen (no TP); of experts EP is simulated for only (``runs_ep``), where nothing fits
@@ -281,7 +282,8 @@ def with_ep_at_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: M
     with reporter.progress(f"auto: searching plans for {cluster.name} with EP"):
         policy = make_policy(request, cluster, options, layouts)
         assert isinstance(policy, AutoPolicy)
-        found = with_auto_ep(policy.search(tr, spec.name), tr, cluster, options, degrees, reporter.note)
+        found = with_auto_ep(policy.search(tr, spec.name), tr, cluster, options, degrees, reporter.note,
+                             per_param_meshes(request.ep_placement))
     return faster(result, found)
 
 
@@ -546,7 +548,8 @@ def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, mo
     has EP already keeps its own. Of experts apply does not run (``runs_ep``), with a note saying so."""
     if plan.expert_parallel is not None or request.ep is None or request.ep == 1:
         return plan
-    out = with_expert_parallel(plan, tr, request.ep, shard=plan.shard_size(world) if world else 0)
+    out = with_expert_parallel(plan, tr, request.ep, shard=plan.shard_size(world) if world else 0,
+                               per_param_mesh=request.ep_placement is not ExpertPlacement.OWN)
     _ep_notes(out, tr, as_spec(model), reporter)
     return out.replace(policy=f"{plan.policy}, {out.expert_parallel.describe()}")
 

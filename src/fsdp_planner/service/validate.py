@@ -14,6 +14,7 @@ from fsdp_planner.choices import (
     DEFAULT_SAC_POLICY,
     ACMode,
     AttentionKernel,
+    ExpertPlacement,
     Float8Recipe,
     GradientSync,
     PolicyName,
@@ -86,6 +87,8 @@ class Keywords:
     loss_parallel: object = None  # None: the layout's default
     async_tp: object = False
     ep: object = None  # the expert-parallel degree; None: none
+    ep_placement: object = None  # where FSDP2 shards the experts (``ExpertPlacement``); None: auto chooses, else
+    # their blocks' calls
     memory_budget: object = None
     headroom: object = None
     micro_batches: object = None
@@ -265,7 +268,13 @@ def tensor_parallel(kw: Keywords, spell: Spelling, auto: bool = True) -> dict[st
         raise PlannerError(f"{spell.name_of('async_tp')} overlaps TP's collectives with the matmuls in compiled code, "
                            f"which torchtitan refuses without compile: add {spell.name_of('compile')}")
     ep = whole(kw.ep, "ep", spell, 1, MAX_EP_DEGREE) if kw.ep is not None else None
-    return {"tp": degree, "loss_parallel": loss, "async_tp": async_tp, "ep": ep,
+    placement = choice(ExpertPlacement, kw.ep_placement, "ep_placement", spell) if kw.ep_placement is not None \
+        else None
+    if placement is not None and (ep == 1 or (ep is None and not auto)):
+        raise PlannerError(f"{spell.name_of('ep_placement')} says where FSDP2 shards the experts of expert "
+                           f"parallelism: give {spell.name_of('ep')} 2 or more" +
+                           ("" if ep == 1 else " (or the auto policy, which chooses the degree)"))
+    return {"tp": degree, "loss_parallel": loss, "async_tp": async_tp, "ep": ep, "ep_placement": placement,
             "tp_key": kw.tp_key if isinstance(kw.tp_key, str) else "tp" if spell is Spelling.API else ""}
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from fsdp_planner.batch import paused_gc
-from fsdp_planner.choices import DEFAULT_SAC_POLICY, SacPolicy, ShardPlacement
+from fsdp_planner.choices import DEFAULT_SAC_POLICY, ExpertPlacement, SacPolicy, ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks, own_overlap
@@ -207,6 +207,7 @@ class AutoPolicy:
     whole_model: tuple[str, int] | None = None  # on a TP view: the whole model's fingerprint and numel, which the
     # plan leaving the search carries (it is checked against the model, not the view)
     keeps_placement: bool = False  # the user gave ``options.shard_placement``: no dim-1 sharding of auto's own
+    ep_placement: ExpertPlacement | None = None  # where the EP screen shards the experts; None: it chooses
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, Target):
