@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from fsdp_planner.cli import main
+from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.planners.auto import AutoPolicy
@@ -303,3 +304,25 @@ def test_auto_says_which_split_it_kept_even_the_whole_batch(capsys):
     assert main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--batch", "2",
                  "--micro-batches", "1", "--json"]) == 0
     assert "split" not in capsys.readouterr().err
+
+
+@pytest.mark.integration  # seconds of real FSDP2 on fake ranks: the full suite runs it
+@pytest.mark.parametrize(("micro_batches", "sync", "reduce_dtype"), [
+    (2, "every", None), (2, "every", "bf16"), (1, "last", "bf16"), (2, "last", "bf16")])
+def test_hsdp_keeps_each_all_reduced_output_to_the_end_of_backward(micro_batches, sync, reduce_dtype):
+    """HSDP (2 x 4): FSDP2 keeps the reduce-scatter output it all-reduces over the replicas
+    (``_all_reduce_state``) until the root's final callback. Added into the grads an earlier micro-batch made, or
+    in a bf16 reduce dtype cast to the fp32 grads, it is another tensor beside them all backward: without it the
+    peak of toy-llama at 4 tokens was 6.8% low (every micro-batch reducing) and 4.7% (a bf16 reduce, one
+    micro-batch). Counts exact, the peak within 2%."""
+    options = replace(SimOptions.named("bf16-mixed", reduce_dtype=reduce_dtype), micro_batches=micro_batches,
+                      gradient_sync=GradientSync(sync))
+    spec = ModelSpec("toy-llama", 1, 4)
+    tr = _traced(spec, options)
+    plan = make_policy(PolicyRequest(PolicyName.TITAN, mesh=Mesh(2, WORLD // 2))).plan(tr, "toy-llama")
+    predicted = simulate(tr, plan, parse_cluster(f"h100:{WORLD}"), options, timeline=False)
+    measured = run_fake_world(spec, plan, WORLD, options.precision, micro_batches=micro_batches,
+                              gradient_sync=GradientSync(sync))
+    assert predicted.all_reduces == measured.counts["all_reduce"] > 0
+    assert predicted.reduce_scatters == measured.counts["reduce_scatter"]
+    assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.02)

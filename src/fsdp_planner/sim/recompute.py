@@ -5,12 +5,13 @@ alive from its forward until its backward is done instead of the activations its
 running its forward again, up to the last tensor its forward packed for backward (``early_stop``, torch's default
 ``set_checkpoint_early_stop(True)``: the ops after it, such as a Llama block's residual add and, since autograd
 saves an op's inputs before running it, a last matmul whose only saves are its inputs, are not run again;
-``CheckpointedCall.stop``): the saved activations
-are then re-created at its pre-backward boundary and freed as before, when the backward of the module call that
-saved each is done; the recomputation costs the call's forward op time there, after its group's params are
-gathered (FSDP2's pre-backward unshards the group before autograd reaches the checkpoint). Until the
-recomputation stops, the call's forward frame is alive too, with the unsaved outputs it still holds, beside the
-gradient of the call's outputs (``recompute_levels``).
+``CheckpointedCall.stop``): the saved activations are then re-created where backward first unpacks one
+(``CheckpointedCall.runs_again_at``: its pre-backward, or after the pre-backward hooks of the calls inside it that
+ended after its last pack) and freed as before, when the backward of the module call that saved each is done; the
+recomputation costs the call's forward op time there, after its group's params are gathered (FSDP2's pre-backward
+unshards the group before autograd reaches the checkpoint). Until the recomputation stops, the call's forward frame
+is alive too, with the unsaved outputs it still holds, beside the gradient of the call's outputs
+(``recompute_levels``).
 
 What the call keeps is not re-created: a kept input its ops saved is the same storage in the recomputation
 (``Event.saved_inputs``), and a kept input's gradient, held through the call's backward in autograd's input
@@ -19,8 +20,8 @@ beyond what it holds when it stops, is ``Event.rise``; and a storage the call sa
 checkpointed call saves again stays beside the re-created copy (``resave_deltas``).
 
 Under op-level selective checkpointing (``fsdp2/selective.py``) the call keeps, besides its inputs, the outputs
-of the forward ops its policy saves (``kept``), in SAC's cache from each such op until the recomputation at its
-pre-backward takes them; the recomputation runs only the other forward ops (up to the early stop), so its time is
+of the forward ops its policy saves (``kept``), in SAC's cache from each such op until the recomputation
+(``runs_again_at``) takes them; the recomputation runs only the other forward ops (up to the early stop), so its time is
 theirs. The saved
 activations are re-created there as under full checkpointing: the cached outputs become the ones autograd saves
 (the same storages, not a second copy) or are freed. A cached output that leaves the call (a block ending in a
@@ -225,10 +226,10 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
     forward and freed when the saving module call's backward is done, or before, after the backward op whose node
     autograd releases them with (``Event.freed``: a T5's position bias, seq x seq x heads, saved by the first
     block's attention and freed after its backward, before the two blocks' bias gradients are summed: +16.6% on a
-    tiny T5 at seq 2,048 in fp32 while held to the call's end); under a checkpointed call, its inputs held
-    instead and its activations re-created at its pre-backward (op-level: with the outputs of its kept ops, held
-    from each until then, ``cache_deltas``); in the loss region, its live bytes (``loss_region_deltas``); at each
-    forward op, the temporaries alive (``trace/step.Temporaries``)."""
+    tiny T5 at seq 2,048 in fp32 while held to the call's end); under a checkpointed call, its inputs held instead
+    and its activations re-created where it runs again (``runs_again_at``; op-level: with the outputs of its kept
+    ops, held from each until then, ``cache_deltas``); in the loss region, its live bytes (``loss_region_deltas``);
+    at each forward op, the temporaries alive (``trace/step.Temporaries``)."""
     deltas = loss_region_deltas(trace, scale)
     compiled, inside_compiled = compiled_deltas(trace, compiled_calls(trace, calls), scale)
     sac = compiled_under_sac(trace, calls)
@@ -591,7 +592,7 @@ def _backward_boundaries(trace: Trace) -> dict[tuple[str, int, EventKind], int]:
 
 def cache_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:
     """What SAC's cache holds (``activation_deltas``' indexing): each kept op's outputs, from the op until its
-    call's pre-backward, where the recomputation takes them; a kept op's after the early stop, which the
+    recomputation (``runs_again_at``), which takes them; a kept op's after the early stop, which the
     recomputation never reaches, until the call's backward is done, when the checkpoint's frame and its cache go
     (a Swin block's last Linear's output, the block's size: -0.9% on 8 fake ranks without it)."""
     deltas = np.zeros(len(trace.events) + 1)
