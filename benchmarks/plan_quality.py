@@ -575,7 +575,7 @@ def two_d_row(model: str, gpus: int) -> dict:
 # experts tensor-parallel (expert_parallel_degree 1: titan TP 8+ac); the EP x TP rows keep EP = a multiple of TP
 # (EP's ranks span TP's, --tp N --ep M); EP 8 alone is its EP recipe without TP. Experts sharded on dim 1 where
 # dim 0 would pad, as torchtitan's FSDP placement for experts.
-MOE_ROWS = (("mixtral-8x7b", 64), ("mixtral-8x7b", 512))
+MOE_ROWS = (("mixtral-8x7b", 64), ("mixtral-8x7b", 512), ("hf:deepseek-v3", 256), ("hf:deepseek-v3", 512))
 EXPERT_MOE = {"titan TP 8+ac": (8, 1), "titan EP 8+ac": (1, 8), "titan TP 2 x EP 8+ac": (2, 8),
               "titan TP 8 x EP 8+ac": (8, 8)}
 MOE_FEWEST = ("titan TP 8+ac", "titan EP 8+ac", "titan TP 2 x EP 8+ac")  # also with the fewest leading blocks in
@@ -642,13 +642,18 @@ def moe_row(model: str, gpus: int) -> dict:
     cluster, spec = parse_cluster(f"h100:{gpus}"), ModelSpec(model)
     tr, tokens = planning_trace(spec)
     result = auto_search(tr, spec, cluster)
-    policies = {name: moe_expert(model, cluster, tp, ep) for name, (tp, ep) in EXPERT_MOE.items()}
-    policies.update({name.replace("+ac", "+k full"): moe_fewest(model, cluster, tp, ep, result.budget)
-                     for name, (tp, ep) in EXPERT_MOE.items() if name in MOE_FEWEST})
+    policies, refused = {}, {}
+    for name, (tp, ep) in EXPERT_MOE.items():  # (a column the model cannot run: n/a, its reason kept)
+        try:
+            policies[name] = moe_expert(model, cluster, tp, ep)
+            if name in MOE_FEWEST:
+                policies[name.replace("+ac", "+k full")] = moe_fewest(model, cluster, tp, ep, result.budget)
+        except PlannerError as e:
+            refused[name] = str(e)
     policies["auto"] = {**auto_summary(result), **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
     r = {"model": model, "cluster": f"h100:{gpus}", "budget": result.budget, "budget_source": result.budget_source,
          "min_peak": result.min_peak, "fits": result.fits, "lower_bound": result.report.lower_bound,
-         "policies": policies}
+         "policies": policies, "refused": refused}
     return judge(r, result, {})
 
 
@@ -710,7 +715,7 @@ def two_d_table(rows: list[dict], columns: list[str]) -> list[str]:
              "| winner |", "|---|---|" + "---|" * (len(columns) + 1) + "---|---|---|---|---|"]
     for r in rows:
         auto = r["policies"]["auto"]
-        cells = [cell(r["policies"][n], r["budget"]) for n in [*columns, "auto"]]
+        cells = [cell(r["policies"][n], r["budget"]) if n in r["policies"] else "n/a" for n in [*columns, "auto"]]
         tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if r["fits"] else "-"
         mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
         lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | " + " | ".join(cells)
@@ -758,7 +763,10 @@ def two_d_main() -> None:
         " x TP itself (each TP degree x the EP degrees it allows, screened by its best classic grouping under EP, "
         "the best searched in full, beside its search without TP and its EP screen). Auto's plan on these rows "
         "keeps the experts' groups unsharded after forward (their backward all-gathers saved), which no column "
-        "here does: part of its lead is that choice, open to a hand config too.", "",
+        "here does: part of its lead is that choice, open to a hand config too. DeepSeek-V3 (671B, transformers' "
+        "modules, `hf:deepseek-v3`): the TP columns are n/a, torchtitan's MoE TP layout naming its own modules and "
+        "EP x TP over transformers' experts being refused; torchtitan's own 671B job adds pipeline parallelism, "
+        "which fsdp-planner does not model, so its EP column is that job's recipe without PP.", "",
         *two_d_table(moe, [*EXPERT_MOE, *(n.replace("+ac", "+k full") for n in MOE_FEWEST)]), "",
         *shipped_lines(shipped),
         summary_line([*rows, *moe]),
