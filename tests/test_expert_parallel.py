@@ -701,6 +701,23 @@ def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int, dim1:
         assert shards[0]["layers.0.attention.wq.weight"][2] == ("dp_replicate", "dp_shard")
 
 
+@pytest.mark.parametrize("degree", [2, 4, 8])
+def test_an_ep_rank_s_expert_matmuls_are_its_local_experts(degree: int) -> None:
+    """Under EP a rank's E / EP experts each multiply the rows all EP ranks route to them: the matmul's smallest
+    dim (its efficiency's) is EP times the traced rows, up to the weight's own dims, and it reads or writes E / EP
+    experts' weights; its FLOPs are unchanged (a trial's finding: DeepSeek-V3's expert matmuls were priced reading
+    all 256 experts' weights at 128 rows' efficiency under any EP)."""
+    tr = _traced()
+    view = ep_view(tr, _ep_plan(tr, degree)).trace
+    traced = [e for e in tr.events if e.is_op and e.module == "layers.0.moe.experts" and e.kernel > 0]
+    local = [e for e in view.events if e.is_op and e.module == "layers.0.moe.experts" and e.kernel > 0]
+    weight = 8 * 128 * 256 * 2  # one of w1, w2, w3 (8 experts, 128 x 256), traced in bf16
+    assert len(traced) == len(local) == 9  # 3 forward, 6 backward (input and weight grads)
+    for t, e in zip(traced, local, strict=True):
+        assert t.kernel == 32 and e.kernel == min(32 * degree, 128)
+        assert (e.flops, e.nbytes) == (t.flops, t.nbytes - weight + weight // degree)
+
+
 def test_ep_placement_chooses_where_the_experts_are_sharded(tmp_path) -> None:
     """--ep-placement: 'own' gives each experts module a fully_shard call of its own (the plan file's
     per_param_mesh false), 'blocks' their blocks' calls; auto's EP screen keeps to the one given; without EP it is

@@ -77,7 +77,7 @@ def ep_view(trace: Trace, plan: Plan) -> EPView:
     params = list(trace.params)
     for i in chosen:
         params[i] = _local_param(params[i], ep.degree)
-    events, where = _rank_events(trace, experts, ep.skew, set(chosen), split)
+    events, where = _rank_events(trace, experts, ep.skew, set(chosen), split, ep.degree)
     view = replace(trace, params=tuple(params), events=tuple(events), op_seconds=None,
                    modules=_moved_modules(trace, where), expert_parallel=ep.signature(), expert_params=chosen,
                    fingerprint=f"{trace.fingerprint}/ep{ep.degree}",
@@ -155,15 +155,17 @@ def _a2a(module: str, nbytes: int, backward: bool, received: int = 0) -> Event:
 
 
 def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[int],
-                 split: int = 1) -> tuple[list[Event], list[int]]:
+                 split: int = 1, degree: int = 1) -> tuple[list[Event], list[int]]:
     """The EP rank's events, the all-to-alls around each expert call and the expert ops at ``skew`` x their work;
     and where each of the trace's events went (old position -> new). In forward the dispatch goes before the
     call's first matmul and the combine after its last one (``_forward_at``); in backward, after the call's
     pre-backward and before its post-backward. Tokens split over ``split`` TP ranks: the combined rows put back
     among the whole layer's (zeros for the other TP ranks' rows: the output is partial), one op making the whole
-    (experts, tokens per expert, dim) output after the combine."""
+    (experts, tokens per expert, dim) output after the combine. The expert matmuls as ``degree`` EP ranks run them
+    (``_local_matmul``)."""
     sizes = _call_bytes(trace, experts, chosen, split)
     names = set(experts)
+    weights = _expert_weights(trace, experts, chosen)
     before = _forward_at(trace, names)
     out: list[Event] = []
     where: list[int] = []
@@ -174,6 +176,9 @@ def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[
             e = e._replace(flops=int(e.flops * skew), nbytes=int(e.nbytes * skew), saved=int(e.saved * skew),
                            freed=int(e.freed * skew),
                            out_nbytes=int(e.out_nbytes * skew), grad_live=int(e.grad_live * skew))
+        if e.is_op and e.kernel > 0 and e.module in weights:
+            e = _local_matmul(e, weights[e.module], degree / split * (skew if skewed else 1.0),
+                              (skew if skewed else 1.0) / split - 1 / degree)
         for module, call, combine in before.get(i, ()):
             nbytes = sizes.get((module, call), 0)
             # the busiest rank receives ``skew`` times its rows in the dispatch, its own rows back in the combine
@@ -196,6 +201,44 @@ def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[
         where.append(len(out) + (0 if e.kind is EventKind.BWD_PRE else 1))
         out.extend([e, a2a] if e.kind is EventKind.BWD_PRE else [a2a, e])
     return out, where
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """An expert module's weights, as its matmuls multiply by them: the smallest of their non-expert dims, and
+    each one's traced bytes (a matmul that reads none, a weight's gradient, takes the largest)."""
+
+    dims: int
+    nbytes: dict[int, int]
+
+    def of(self, e: Event) -> int:
+        return max((self.nbytes[p] for p in e.params if p in self.nbytes), default=max(self.nbytes.values()))
+
+
+def _expert_weights(trace: Trace, experts: Sequence[str], chosen: set[int]) -> dict[str, _Weights]:
+    """Each expert module, and each module inside one -> its expert params (``_Weights``)."""
+    out: dict[str, _Weights] = {}
+    itemsize = trace.compute_itemsize
+    for m in experts:
+        own = {i: trace.params[i] for i in chosen if len(trace.params[i].shape) >= 2
+               and any(is_within(o, m) for o in trace.params[i].owners)}
+        if own:
+            w = _Weights(min(min(p.shape[1:]) for p in own.values()),
+                         {i: p.numel * (itemsize or p.itemsize) for i, p in own.items()})
+            out.update({name: w for name in trace.modules if is_within(name, m)})
+    return out
+
+
+def _local_matmul(e: Event, weight: _Weights, rows: float, weights: float) -> Event:
+    """An expert matmul as one EP rank runs it: its local experts (E / EP) each multiply ``rows`` times the rows
+    the trace gave one (the tokens all EP ranks route to them; the busiest rank's ``skew`` times more), so the
+    matmul's smallest dim (``Event.kernel``, by which its efficiency goes) is that many times the traced one up to
+    the weight's own dims, and it reads or writes E / EP experts' weights (``weights``: the fraction of the traced
+    weight's bytes to take off the op's, the rest its skew and TP split). Its FLOPs are unchanged. On DeepSeek-V3
+    (256 experts, 128 rows each in the trace) a rank's expert matmuls were priced reading all 256 experts' weights
+    at 128 rows' efficiency under any EP degree."""
+    kernel = e.kernel if e.kernel >= weight.dims else min(weight.dims, max(1, round(e.kernel * rows)))
+    return e._replace(kernel=kernel, nbytes=max(0, int(e.nbytes - weight.of(e) * weights)))
 
 
 def _forward_at(trace: Trace, names: set[str]) -> dict[int, list[tuple[str, int, bool]]]:
