@@ -886,9 +886,10 @@ class TPCollectives:
 
 
 def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: float,
-                   positions: np.ndarray | None = None) -> TPCollectives:
+                   positions: np.ndarray | None = None, grad_scale: float | None = None) -> TPCollectives:
     """TP's collectives of a TP rank's step: each once, and again where a checkpointed call's forward runs again.
-    ``positions``: ``tp_positions(trace)``, when the caller has them."""
+    ``positions``: ``tp_positions(trace)``, when the caller has them; ``grad_scale``: the replicated params' grad
+    all-reduces' bytes per traced byte where not ``scale``'s (grads accumulated in another dtype)."""
     counts = dict.fromkeys(KIND_OF.values(), 0)
     nbytes = dict.fromkeys(KIND_OF.values(), 0)
     positions = tp_positions(trace) if positions is None else positions
@@ -897,7 +898,8 @@ def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: 
         e = trace.events[p]
         kind = KIND_OF[e.kernel]
         counts[kind] += n
-        nbytes[kind] += n * int(e.nbytes * scale)
+        at = grad_scale if grad_scale is not None and e.kernel == KERNEL_TP_GRAD_ALL_REDUCE else scale
+        nbytes[kind] += n * int(e.nbytes * at)
     return TPCollectives(counts, nbytes)
 
 
