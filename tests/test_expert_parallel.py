@@ -718,6 +718,24 @@ def test_an_ep_rank_s_expert_matmuls_are_its_local_experts(degree: int) -> None:
         assert (e.flops, e.nbytes) == (t.flops, t.nbytes - weight + weight // degree)
 
 
+def test_a_classic_policy_s_experts_are_sharded_as_torchtitan_places_them() -> None:
+    """--policy titan --ep: the experts on dim 1 where their FSDP ranks x EP exceed the experts (torchtitan's
+    apply_fsdp), which is where dim 0 would pad (a trial's finding: Mixtral's experts padded 8x on 64 GPUs, titan
+    with EP 8 six times slower than with them on dim 1); --shard-placement dim0 keeps dim 0; real FSDP2 on 32
+    fake ranks agrees."""
+    from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
+
+    wide = api.plan(TINY, cluster="h100:32", policy="titan", ep=2)  # 16 ranks x EP 2 > 8 experts: dim 1
+    assert {k for k, d in wide.shard_dims.items() if d == 1} >= {f"layers.{b}.moe.experts.w{i}" for b in (0, 1)
+                                                                 for i in (1, 2, 3)}
+    assert not api.plan(TINY, cluster="h100:8", policy="titan", ep=2).shard_dims  # 4 ranks x EP 2: dim 0 divides
+    assert not api.plan(TINY, cluster="h100:32", policy="titan", ep=2, shard_placement="dim0").shard_dims
+    rows = beside_prediction(simulate(_traced(), wide, parse_cluster("h100:32"), BF16, timeline=False),
+                             run_fake_world(TINY, wide, 32, BF16.precision))
+    assert all(p == m for key, (p, m) in rows.items() if key != "peak_memory"), rows
+    assert rows["peak_memory"][0] == pytest.approx(rows["peak_memory"][1], rel=0.05)  # seen: +1.2%
+
+
 def test_ep_placement_chooses_where_the_experts_are_sharded(tmp_path) -> None:
     """--ep-placement: 'own' gives each experts module a fully_shard call of its own (the plan file's
     per_param_mesh false), 'blocks' their blocks' calls; auto's EP screen keeps to the one given; without EP it is

@@ -61,8 +61,9 @@ class PolicyRequest:
     # (``planners/expert_parallel.py``); None: no EP
     ep_placement: ExpertPlacement | None = None  # all, with EP: where FSDP2 shards the experts; None: their blocks'
     # calls (auto: chosen)
-    keeps_placement: bool = False  # auto: the user gave the shard placement (``--shard-placement``): auto keeps
-    # it, and does not choose dim-1 sharding of its own
+    keeps_placement: bool = False  # all: the user gave the shard placement (``--shard-placement``): kept, auto
+    # choosing no dim-1 sharding of its own, an EP plan no torchtitan placement of its experts
+    # (``service/planning.expert_placement``)
 
     def __post_init__(self) -> None:
         if any(not c for c in self.module_classes):

@@ -245,7 +245,7 @@ def policy_request(kw: Keywords, name: object, spell: Spelling) -> PolicyRequest
         min_nonwrapped_numel=numel if policy is PolicyName.SIZE else None,
         target_bytes=target_bytes if policy is PolicyName.ORDER else None,
         memory_budget=budget if auto else None, headroom=room if auto else None,
-        search_effort=effort if auto else None, keeps_placement=auto and kw.shard_placement is not None,
+        search_effort=effort if auto else None, keeps_placement=kw.shard_placement is not None,
         target=choice(Target, kw.target, "target", spell) if kw.target is not None and auto else Target.FSDP2,
         checkpointing=choice(ACMode, kw.ac, "ac", spell) if kw.ac is not None else None,
         sac_policy=choice(SacPolicy, kw.ac_policy, "ac_policy", spell) if kw.ac_policy is not None
