@@ -1300,4 +1300,13 @@ def test_edited_ep_plan_files_get_one_sentence_from_simulate_and_export(tmp_path
             r = run_main(*command)
             assert r.returncode == 2 and said in r.stderr.strip().splitlines()[-1], (name, command[0], r.stderr)
     r = run_main("simulate", TINY, "--plan", edited("rootless.json", rootless), "--cluster", "h100:4")
-    assert r.returncode == 2 and "in the fully_shard call of the root module (a per-param mesh)" in r.stderr, r.stderr
+    said = "in the fully_shard call of the root module (a per-param mesh; no group lists a module above them)"
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+
+    def renamed(d: dict) -> None:  # a block renamed to one the model lacks: that is said first (a trial's finding)
+        next(g for g in d["groups"] if g["modules"] == ["layers.0"])["modules"] = ["layers.7"]
+
+    for command in ("simulate", "verify"):
+        r = run_main(command, TINY, "--plan", edited("renamed.json", renamed), "--cluster", "h100:4")
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == \
+            "error: plan names modules the model does not have: layers.7", r.stderr

@@ -246,15 +246,21 @@ def _check_same_params(plan: Plan, trace: Trace) -> None:
     raise PlannerError(f"plan was made for another model ({'; '.join(parts)})")
 
 
+def check_known_modules(plan: Plan, trace: Trace) -> None:
+    """PlannerError naming the modules ``plan``'s groups list that the model does not have: said before any check
+    that reads the groups (an edited EP plan naming 'layers.7' was told its experts sat in the root's call)."""
+    unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
+    if unknown:
+        raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")
+
+
 def check_plan_matches(plan: Plan, trace: Trace) -> None:
     """PlannerError naming missing/extra params or unknown modules when ``plan`` does not fit the model."""
     _check_same_params(plan, trace)
     if plan.numel and plan.numel != trace.numel:  # 0: not recorded; the fingerprint agrees, so an edited file
         raise PlannerError(f"the plan's 'model.numel' is {plan.numel:,} but this model has {trace.numel:,} parameters "
                            "(the plan file was edited: make it again with 'plan --out')")
-    unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
-    if unknown:
-        raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")
+    check_known_modules(plan, trace)
     refused = {m for g in plan.groups for m in g.modules if not trace.modules[m].shardable}
     containers = {m for m in refused if trace.modules[m].cls in ("ModuleList", "ModuleDict")}
     if containers:
@@ -290,9 +296,7 @@ def with_claimed_params(plan: Plan, trace: Trace) -> Plan:
     ``check_plan_matches`` to compare."""
     if any(g.params for g in plan.groups):
         return plan
-    unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
-    if unknown:
-        raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")
+    check_known_modules(plan, trace)
     groups = [replace(g, params=params) for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True)]
     if not any(g.forward_prefetch or g.backward_prefetch for g in groups):
         first = trace.index.first_use_by_name

@@ -211,14 +211,15 @@ def hosts_or_refusal(plan: Plan, experts: list[str], parent_of: Callable[[str], 
                                 f"{short_list(plan.groups[mine].modules, 3)}")
         own, block = plan.groups[mine], plan.groups[host]
         call = "the root module" if block.is_root else short_list(block.modules, 3)
+        mesh = "a per-param mesh; no group lists a module above them" if block.is_root else "a per-param mesh"
         if not isinstance(block.reshard_after_forward, bool):
             return (f"the experts '{expert}' are sharded in the fully_shard call of "
-                                f"{call} (a per-param mesh), which reshards to "
+                                f"{call} ({mesh}), which reshards to "
                                 f"{block.reshard_after_forward} ranks after forward: FSDP2 reshards no DTensor param "
                                 "to a smaller mesh; give that group true or false, or the plan per_param_mesh false")
         if own.reshard_after_forward != block.reshard_after_forward:
             return (f"the experts '{expert}' are sharded in the fully_shard call of "
-                                f"{call} (a per-param mesh), which reshards them after "
+                                f"{call} ({mesh}), which reshards them after "
                                 f"forward as it does its own params ({block.reshard_after_forward}), not as their "
                                 f"group says ({own.reshard_after_forward}): give both the same reshard_after_forward")
         hosts[mine] = host
