@@ -213,6 +213,9 @@ def test_verify_fake_world_size_command(capsys: pytest.CaptureFixture[str]) -> N
     assert out["predicted"]["all_gathers"] == out["measured"]["all_gathers"] > 0
     assert main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", "0"]) == 2
     assert "--fake-world-size must be between 1" in capsys.readouterr().err
+    # a size no preset cluster has: said of the option given, not of a cluster the user never named (a trial's)
+    assert main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", "12"]) == 2
+    assert "--fake-world-size 12: the prediction beside it is of a cluster of 1 to 8 GPUs" in capsys.readouterr().err
 
 
 @pytest.mark.integration  # real FSDP2 on 8 fake ranks: ~3 s

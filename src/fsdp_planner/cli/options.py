@@ -107,7 +107,8 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                          "records checkpoint_early_stop false keeps it)")
     sp.add_argument("--mesh", metavar="RxS",
                     help="the data-parallel layout: R replicas of S-rank shard groups (HSDP; R*S = the GPU count, "
-                         "e.g. 2x4); default pure FSDP over all GPUs, and auto chooses")
+                         "divided by the TP degree with --tp; e.g. 2x4); default pure FSDP over all GPUs, and auto "
+                         "chooses")
     sp.add_argument("--tp", type=positive_int("--tp", MAX_TP_DEGREE), default=None, metavar="N",
                     help="tensor parallelism of degree N inside each node (the innermost mesh dim), FSDP over the "
                          "rest: the layout from the plan file, transformers' tp plan for hf: models (refused where "

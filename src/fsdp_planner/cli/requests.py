@@ -415,6 +415,10 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
     source = plan_source(args)
     notes += policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
                           plan_file=source.plan_file is not None)
+    if args.cluster is None and world > MAX_GPUS_PER_NODE and world % MAX_GPUS_PER_NODE:
+        raise PlannerError(f"--fake-world-size {world}: the prediction beside it is of a cluster of 1 to "
+                           f"{MAX_GPUS_PER_NODE} GPUs or whole {MAX_GPUS_PER_NODE}-GPU nodes (h100 by default): give "
+                           f"one of those sizes, or --cluster with a cluster file of {world} GPUs")
     cluster = named_cluster(args, args.cluster or f"h100:{world}")
     if cluster.world_size != world:
         raise PlannerError(f"--cluster {args.cluster} has {cluster.world_size} GPUs but --fake-world-size is {world}")
