@@ -168,7 +168,7 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     elif modules is not None and (full or op) and (blocks := _alike(full or op, modules)) > len(full or op):
         out.append(f"the plan checkpoints {len(full or op)} of the model's {blocks} blocks; torchtitan's job "
                    f"checkpoints every block ({'selective' if op else 'full'})")
-    if (full or op) and plan.checkpoint_early_stop and plan.expert_parallel is not None:
+    if (full or op) and plan.checkpoint_early_stop and keeps_torchtitan_groups(plan):
         out.append("torchtitan's parallelize_fn, which this EP job keeps, checkpoints with its own wrapper, which "
                    "re-runs each block whole (early_stop=False); the plan was simulated stopping early: plan with "
                    "--no-early-stop for the job's step")

@@ -462,7 +462,8 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
                       "the casts run changes (torchao's float8 styles cast each Linear's input and output grad in "
                       "their hooks)")
     share = sharded_share(tr, layout.tp)
-    if share < LITTLE_SHARDED and request.mesh is None:  # TP's collectives and a smaller data-parallel group
+    if share < LITTLE_SHARDED and request.mesh is None and (request.ep or 1) == 1:  # (EP shards the experts)
+        # TP's collectives and a smaller data-parallel group
         # for little saved: worth saying (auto weighs no detected layout itself: Layout.checked)
         reporter.note(f"--tp {request.tp} shards {share:.0%} of the params (the rest is whole on each TP rank): "
                       "plan it without --tp too, to weigh TP against pure FSDP")
