@@ -115,6 +115,17 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                          "it has none), torchtitan's for the built-in Llamas, else the column-then-row Linear pairs "
                          "found in your model; default none, and "
                          "auto chooses among 1, 2, 4, 8")
+    add_ep_options(sp)
+    sp.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=None,
+                    help="with TP: keep the output head's logits sharded on the vocab and run the loss under "
+                         "loss_parallel() (default on where the layout shards the output head, as torchtitan)")
+    sp.add_argument("--async-tp", action="store_true", default=False,
+                    help="with TP: torchtitan's async TP (the TP collectives overlapped with their matmuls; needs "
+                         "compile)")
+
+
+def add_ep_options(sp: argparse.ArgumentParser) -> None:
+    """Expert parallelism's degree and where FSDP2 shards the experts."""
     sp.add_argument("--ep", type=positive_int("--ep", MAX_EP_DEGREE), default=None, metavar="N",
                     help="expert parallelism of degree N over the model's grouped experts (E / N experts a rank, "
                          "the tokens sent to them by all-to-all), the experts FSDP-sharded over the data-parallel "
@@ -126,12 +137,6 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                          "per-param mesh (torchtitan since 2026-03), or 'own', each experts module fully_shard-ed "
                          "alone (torchtitan before; it can stay unsharded after forward apart from its block); "
                          "default blocks, and auto chooses (the plan file's expert_parallel.per_param_mesh)")
-    sp.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=None,
-                    help="with TP: keep the output head's logits sharded on the vocab and run the loss under "
-                         "loss_parallel() (default on where the layout shards the output head, as torchtitan)")
-    sp.add_argument("--async-tp", action="store_true", default=False,
-                    help="with TP: torchtitan's async TP (the TP collectives overlapped with their matmuls; needs "
-                         "compile)")
 
 
 def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:

@@ -172,13 +172,7 @@ def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[
     added: list[tuple[int, str]] = []  # the forward ops put in: (position, module), for ``made_in_view``
     for i, e in enumerate(trace.events):
         skewed = e.is_op and skew != 1.0 and any(is_within(e.module, m) for m in names)
-        if skewed:
-            e = e._replace(flops=int(e.flops * skew), nbytes=int(e.nbytes * skew), saved=int(e.saved * skew),
-                           freed=int(e.freed * skew),
-                           out_nbytes=int(e.out_nbytes * skew), grad_live=int(e.grad_live * skew))
-        if e.is_op and e.kernel > 0 and e.module in weights:
-            e = _local_matmul(e, weights[e.module], degree / split * (skew if skewed else 1.0),
-                              (skew if skewed else 1.0) / split - 1 / degree)
+        e = _rank_op(e, skew if skewed else 1.0, weights, split, degree) if e.is_op else e
         for module, call, combine in before.get(i, ()):
             nbytes = sizes.get((module, call), 0)
             # the busiest rank receives ``skew`` times its rows in the dispatch, its own rows back in the combine
@@ -213,6 +207,18 @@ class _Weights:
 
     def of(self, e: Event) -> int:
         return max((self.nbytes[p] for p in e.params if p in self.nbytes), default=max(self.nbytes.values()))
+
+
+def _rank_op(e: Event, skew: float, weights: dict[str, _Weights], split: int, degree: int) -> Event:
+    """An op as the EP rank runs it: an expert op's work ``skew`` times the balanced share (the busiest rank's),
+    an expert matmul its local experts' (``_local_matmul``)."""
+    if skew != 1.0:
+        e = e._replace(flops=int(e.flops * skew), nbytes=int(e.nbytes * skew), saved=int(e.saved * skew),
+                       freed=int(e.freed * skew), out_nbytes=int(e.out_nbytes * skew),
+                       grad_live=int(e.grad_live * skew))
+    if e.kernel > 0 and e.module in weights:
+        e = _local_matmul(e, weights[e.module], degree / split * skew, skew / split - 1 / degree)
+    return e
 
 
 def _expert_weights(trace: Trace, experts: Sequence[str], chosen: set[int]) -> dict[str, _Weights]:
