@@ -247,20 +247,26 @@ def _check_same_params(plan: Plan, trace: Trace) -> None:
 
 
 def check_known_modules(plan: Plan, trace: Trace) -> None:
-    """PlannerError naming the modules ``plan``'s groups list that the model does not have: said before any check
-    that reads the groups (an edited EP plan naming 'layers.7' was told its experts sat in the root's call)."""
+    """PlannerError naming the modules ``plan``'s groups list that the model does not have."""
     unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")
 
 
-def check_plan_matches(plan: Plan, trace: Trace) -> None:
-    """PlannerError naming missing/extra params or unknown modules when ``plan`` does not fit the model."""
+def check_same_model(plan: Plan, trace: Trace) -> None:
+    """PlannerError when ``plan`` was made for another model, or names params or modules this one lacks: said
+    before any check that reads the groups (an edited EP plan naming 'layers.7' was told its experts sat in the
+    root's call)."""
     _check_same_params(plan, trace)
     if plan.numel and plan.numel != trace.numel:  # 0: not recorded; the fingerprint agrees, so an edited file
         raise PlannerError(f"the plan's 'model.numel' is {plan.numel:,} but this model has {trace.numel:,} parameters "
                            "(the plan file was edited: make it again with 'plan --out')")
     check_known_modules(plan, trace)
+
+
+def check_plan_matches(plan: Plan, trace: Trace) -> None:
+    """PlannerError naming missing/extra params or unknown modules when ``plan`` does not fit the model."""
+    check_same_model(plan, trace)
     refused = {m for g in plan.groups for m in g.modules if not trace.modules[m].shardable}
     containers = {m for m in refused if trace.modules[m].cls in ("ModuleList", "ModuleDict")}
     if containers:

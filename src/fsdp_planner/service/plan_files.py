@@ -10,7 +10,7 @@ from collections.abc import Callable
 from torch import nn
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.claim import check_known_modules, check_plan_matches, short_list, with_claimed_params
+from fsdp_planner.fsdp2.claim import check_plan_matches, check_same_model, short_list, with_claimed_params
 from fsdp_planner.fsdp2.expert_groups import check_expert_groups
 from fsdp_planner.fsdp2.float8 import OUTPUT_HEAD_FQNS
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
@@ -72,7 +72,7 @@ def checked_on_model(read: Plan, path: str, tr: Trace, model: ModelSpec | str,
         note(said)
     check_hf_config(plan, as_spec(model), path)
     check_shard_dims(plan, tr)
-    check_known_modules(plan, tr)  # (before the TP and EP checks, which read the groups)
+    check_same_model(plan, tr)  # (before the TP and EP checks, which read the groups)
     check_plan_tp(plan, tr, as_spec(model), note)
     check_plan_ep(plan, tr)
     check_plan_matches(plan, tr)
