@@ -204,8 +204,8 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
                                                                          per_param_mesh)), trace)
     auto_dims = bool(plan.shard_dims) or placement is ShardPlacement.AUTO  # (dim 0 may divide without EP only)
     if auto_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)
-        raise PlannerError("expert parallelism with TP and auto shard placement is not modelled yet: plan it with "
-                           "the default shard placement (dim 0)")
+        raise PlannerError("expert parallelism with TP and auto shard placement is modelled on auto's EP x TP screens "
+                           "only: plan it with --policy auto, or with the default shard placement (dim 0)")
     if auto_dims and shard:
         out = out.replace(shard_dims=shard_dims(ep_view(trace, out).trace, shard, ShardPlacement.AUTO))
     return out
