@@ -435,6 +435,8 @@ def planning_trace(model: str | ModelSpec) -> tuple[Trace, int]:
     lm = load_model(model)
     tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=SimOptions().precision.trace_dtype)
     first = lm.example_inputs[0] if isinstance(lm.example_inputs, tuple) else lm.example_inputs
+    if isinstance(first, dict):  # a transformers model's keyword inputs
+        first = first.get("input_ids")
     tokens = first.numel() if isinstance(first, torch.Tensor) and not first.is_floating_point() else 0
     return tr, tokens
 
@@ -716,7 +718,7 @@ def two_d_table(rows: list[dict], columns: list[str]) -> list[str]:
     for r in rows:
         auto = r["policies"]["auto"]
         cells = [cell(r["policies"][n], r["budget"]) if n in r["policies"] else "n/a" for n in [*columns, "auto"]]
-        tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if r["fits"] else "-"
+        tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if auto["tokens_per_s_per_gpu"] and r["fits"] else "-"
         mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
         lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | " + " | ".join(cells)
                      + f" | {auto['layout']} | {ac_text(auto)} | {tps} | {mfu} | {verdict(r)} |")
