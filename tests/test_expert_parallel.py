@@ -718,6 +718,30 @@ def test_an_ep_rank_s_expert_matmuls_are_its_local_experts(degree: int) -> None:
         assert (e.flops, e.nbytes) == (t.flops, t.nbytes - weight + weight // degree)
 
 
+def test_a_transformers_experts_weight_grads_take_their_own_weight(tmp_path) -> None:
+    """transformers' experts layer fuses gate and up (a weight twice its down weight): a weight-gradient matmul,
+    which reads no param, takes off the bytes of the weight whose input-gradient matmul does its FLOPs, and each
+    matmul's smallest dim grows up to its own weight's dims (a reviewer's finding: the module's smallest and
+    largest were taken)."""
+    config = {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 128, "moe_intermediate_size": 64,
+              "num_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "vocab_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    lm = load_model(ModelSpec(f"hf:{tmp_path / 'config.json'}", seq_len=192))
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=BF16.precision.trace_dtype)
+    from fsdp_planner.planners.expert_parallel import expert_modules, with_expert_parallel
+
+    m = expert_modules(tr)[0]
+    view = ep_view(tr, with_expert_parallel(TorchtitanPolicy().plan(tr), tr, 4)).trace
+    traced = [e for e in tr.events if e.is_op and e.module == m and e.kernel > 0]
+    local = [e for e in view.events if e.is_op and e.module == m and e.kernel > 0]
+    gate_up, down = 4 * 128 * 256 * 2, 4 * 256 * 64 * 2  # (experts, 2 x 64, 256) and (experts, 256, 64), bf16
+    for t, e in zip(traced, local, strict=True):
+        weight = gate_up if t.kernel == 96 else down  # gate_up's smallest dim is the 96 rows, down's its own 64
+        assert e.kernel == (128 if t.kernel == 96 else 64)
+        assert e.nbytes == t.nbytes - weight + weight // 4, (t, e)
+
+
 def test_a_classic_policy_s_experts_are_sharded_as_torchtitan_places_them() -> None:
     """--policy titan --ep: the experts on dim 1 where their FSDP ranks x EP exceed the experts (torchtitan's
     apply_fsdp), which is where dim 0 would pad (a trial's finding: Mixtral's experts padded 8x on 64 GPUs, titan

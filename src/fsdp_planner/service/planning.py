@@ -31,6 +31,7 @@ from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.expert_parallel import (
     ep_note,
     ep_tp_degrees,
+    expert_count,
     expert_modules,
     no_experts,
     per_param_meshes,
@@ -566,6 +567,12 @@ def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, mo
     out = with_expert_parallel(plan, tr, request.ep, shard=plan.shard_size(world) if world else 0,
                                placement=expert_placement(plan, request),
                                per_param_mesh=request.ep_placement is not ExpertPlacement.OWN)
+    ranks = plan.shard_size(world) * plan.tp_degree if world else 0  # the experts' FSDP ranks x EP
+    if plan.tp_degree > 1 and not (plan.shard_dims or request.keeps_placement) and \
+            ranks > expert_count(tr, list(out.expert_parallel.experts(tr.modules))):
+        reporter.note(f"with TP the experts stay on dim 0 here, padded over their {ranks // request.ep} FSDP ranks, "
+                      "where torchtitan shards them on dim 1 (its efsdp_ep_size > num_experts): --policy auto places "
+                      "them so, on its EP x TP screens")
     _ep_notes(out, tr, as_spec(model), reporter)
     return out.replace(policy=f"{plan.policy}, {out.expert_parallel.describe()}")
 

@@ -199,25 +199,34 @@ def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[
 
 @dataclass(frozen=True)
 class _Weights:
-    """An expert module's weights, as its matmuls multiply by them: the smallest of their non-expert dims, and
-    each one's traced bytes (a matmul that reads none, a weight's gradient, takes the largest)."""
+    """An expert module's weights, as its matmuls multiply by them: each one's smallest non-expert dim and traced
+    bytes, and which one a matmul multiplies by (``of``)."""
 
-    dims: int
+    dims: dict[int, int]
     nbytes: dict[int, int]
+    by_flops: dict[int, int]  # a matmul's FLOPs -> the weight of the matmul reading it with those FLOPs
 
     def of(self, e: Event) -> int:
-        return max((self.nbytes[p] for p in e.params if p in self.nbytes), default=max(self.nbytes.values()))
+        """The weight ``e`` multiplies by: the one it reads; a weight's gradient, which reads none, the one whose
+        input-gradient matmul does its FLOPs (transformers' gate_up weight is twice its down weight); else the
+        largest."""
+        known = [p for p in e.params if p in self.nbytes]
+        if known:
+            return known[0]
+        return self.by_flops.get(e.flops, max(self.nbytes, key=lambda p: (self.nbytes[p], -p)))
 
 
 def _rank_op(e: Event, skew: float, weights: dict[str, _Weights], split: int, degree: int) -> Event:
     """An op as the EP rank runs it: an expert op's work ``skew`` times the balanced share (the busiest rank's),
     an expert matmul its local experts' (``_local_matmul``)."""
+    weight = weights[e.module].of(e) if e.kernel > 0 and e.module in weights else None  # (by its traced FLOPs)
     if skew != 1.0:
         e = e._replace(flops=int(e.flops * skew), nbytes=int(e.nbytes * skew), saved=int(e.saved * skew),
                        freed=int(e.freed * skew), out_nbytes=int(e.out_nbytes * skew),
                        grad_live=int(e.grad_live * skew))
-    if e.kernel > 0 and e.module in weights:
-        e = _local_matmul(e, weights[e.module], degree / split * skew, skew / split - 1 / degree)
+    if weight is not None:
+        w = weights[e.module]
+        e = _local_matmul(e, w.dims[weight], w.nbytes[weight], degree / split * skew, skew / split - 1 / degree)
     return e
 
 
@@ -228,23 +237,29 @@ def _expert_weights(trace: Trace, experts: Sequence[str], chosen: set[int]) -> d
     for m in experts:
         own = {i: trace.params[i] for i in chosen if len(trace.params[i].shape) >= 2
                and any(is_within(o, m) for o in trace.params[i].owners)}
-        if own:
-            w = _Weights(min(min(p.shape[1:]) for p in own.values()),
-                         {i: p.numel * (itemsize or p.itemsize) for i, p in own.items()})
-            out.update({name: w for name in trace.modules if is_within(name, m)})
+        if not own:
+            continue
+        by_flops = {}
+        for e in trace.events:
+            if e.is_op and e.kernel > 0 and e.flops and is_within(e.module, m):
+                by_flops.setdefault(e.flops, next((p for p in e.params if p in own), None))
+        w = _Weights({i: min(p.shape[1:]) for i, p in own.items()},
+                     {i: p.numel * (itemsize or p.itemsize) for i, p in own.items()},
+                     {f: p for f, p in by_flops.items() if p is not None})
+        out.update({name: w for name in trace.modules if is_within(name, m)})
     return out
 
 
-def _local_matmul(e: Event, weight: _Weights, rows: float, weights: float) -> Event:
+def _local_matmul(e: Event, dims: int, nbytes: int, rows: float, weights: float) -> Event:
     """An expert matmul as one EP rank runs it: its local experts (E / EP) each multiply ``rows`` times the rows
     the trace gave one (the tokens all EP ranks route to them; the busiest rank's ``skew`` times more), so the
     matmul's smallest dim (``Event.kernel``, by which its efficiency goes) is that many times the traced one up to
-    the weight's own dims, and it reads or writes E / EP experts' weights (``weights``: the fraction of the traced
-    weight's bytes to take off the op's, the rest its skew and TP split). Its FLOPs are unchanged. On DeepSeek-V3
-    (256 experts, 128 rows each in the trace) a rank's expert matmuls were priced reading all 256 experts' weights
-    at 128 rows' efficiency under any EP degree."""
-    kernel = e.kernel if e.kernel >= weight.dims else min(weight.dims, max(1, round(e.kernel * rows)))
-    return e._replace(kernel=kernel, nbytes=max(0, int(e.nbytes - weight.of(e) * weights)))
+    its weight's own smallest dim (``dims``), and it reads or writes E / EP experts' weights (``weights``: the
+    fraction of the traced weight's ``nbytes`` to take off the op's, the rest its skew and TP split). Its FLOPs are
+    unchanged. On DeepSeek-V3 (256 experts, 128 rows each in the trace) a rank's expert matmuls were priced reading
+    all 256 experts' weights at 128 rows' efficiency under any EP degree."""
+    kernel = e.kernel if e.kernel >= dims else min(dims, max(1, round(e.kernel * rows)))
+    return e._replace(kernel=kernel, nbytes=max(0, int(e.nbytes - nbytes * weights)))
 
 
 def _forward_at(trace: Trace, names: set[str]) -> dict[int, list[tuple[str, int, bool]]]:

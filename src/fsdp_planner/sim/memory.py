@@ -452,8 +452,9 @@ class MemoryModel:
         lives to the end of backward beside the grad (HSDP 2x4 with every micro-batch reduce-scattering: -5.9% to
         -6.8% on 8 fake ranks while freed in the hook; -4.7% with a bf16 reduce dtype and one micro-batch)."""
         output = shard * self.precision.reduce_bytes
-        if self.offload:  # the output is copied to the CPU, where the sharded grads live
-            changes.add(4, event, event + 1, output)
+        if self.offload:  # the output is copied to the CPU, where the sharded grads live (under HSDP the GPU's
+            # output is kept all-reduced, offloaded or not)
+            changes.add(4, event, n if all_reduced else event + 1, output)
         elif sharded_held and self.zero_grad is ZeroGrad.NONE:  # added into the grad an earlier one made
             changes.add(4, 0, n, shard * self.grad_bytes)
             # its output, allocated in the hook once the unsharded grads are freed (FSDP2's foreach_reduce clears
