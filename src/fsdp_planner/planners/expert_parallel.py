@@ -165,13 +165,13 @@ def ep_degrees(trace: Trace, shard: int) -> list[int]:
 # torchtitan's apply_fsdp does since pytorch/torchtitan#2281 (March 2026). A plan file saying per_param_mesh false
 # (or written before it was recorded) keeps the expert modules' own calls, as torchtitan did before.
 PER_PARAM_MESH = True
+BOTH_PLACEMENTS = (PER_PARAM_MESH, not PER_PARAM_MESH)  # what an EP screen tries unless told: torchtitan's first
 
 
 def per_param_meshes(placement: ExpertPlacement | None) -> tuple[bool, ...]:
-    """The ``per_param_mesh`` values an EP screen tries: the user's ``placement`` (``--ep-placement``), else both,
-    torchtitan's first."""
+    """The ``per_param_mesh`` values an EP screen tries: the user's ``placement`` (``--ep-placement``), else both."""
     if placement is None:
-        return (PER_PARAM_MESH, False)
+        return BOTH_PLACEMENTS
     return (placement is ExpertPlacement.BLOCKS,)
 
 
@@ -237,7 +237,7 @@ class EPOption:
 def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, skew: float = 1.0,
                degrees: tuple[int, ...] = (), views: dict[tuple, Trace] | None = None,
                without: bool = True, placement: ShardPlacement | None = None,
-               per_param: tuple[bool, ...] = (PER_PARAM_MESH, False)) -> list[EPOption]:
+               per_param: tuple[bool, ...] = BOTH_PLACEMENTS) -> list[EPOption]:
     """``plan`` (without EP; ``without``: simulated so too, first) under ``degrees`` (default every EP degree the
     model and its shard ranks allow), the experts in their blocks' calls (torchtitan's) or in calls of their own
     (which can keep them unsharded after forward apart from their blocks), resharded after forward or kept: each
@@ -281,7 +281,7 @@ def _experts_kept(plan: Plan, trace: Trace) -> Plan:
 
 def hsdp_ep_options(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions,
                     views: dict[tuple, Trace], degrees: tuple[int, ...] = (),
-                    per_param: tuple[bool, ...] = (PER_PARAM_MESH, False)) -> list[EPOption]:
+                    per_param: tuple[bool, ...] = BOTH_PLACEMENTS) -> list[EPOption]:
     """EP (``degrees``; none given: each its dp_shard allows) on auto's other data-parallel layouts
     (``result.meshes``: each one's best plan, without TP; pure FSDP among them where auto chose HSDP), EP's ranks out
     of their dp_shard and the experts replicated over dp_replicate as torchtitan lays them out: EP shrinks the
@@ -309,7 +309,7 @@ def best_ep_option(found: list[EPOption], budget: float) -> EPOption | None:
 
 def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
                  note: Callable[[str], None] | None = None,
-                 per_param: tuple[bool, ...] = (PER_PARAM_MESH, False)) -> AutoResult:
+                 per_param: tuple[bool, ...] = BOTH_PLACEMENTS) -> AutoResult:
     """Auto's ``result`` under expert parallelism: its plan's groups under each of ``degrees`` (the user's; none
     given: no EP and every degree the model and its shard ranks allow, each screened and ``note``d), on its layout
     and auto's other HSDP ones, the expert groups resharded after forward or kept, the fastest that fits (else the

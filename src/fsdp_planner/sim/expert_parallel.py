@@ -48,7 +48,7 @@ from fsdp_planner.sim.tensor_parallel import collective_runs, node_cluster
 from fsdp_planner.trace.events import KERNEL_EP_ALL_TO_ALL, Event, EventKind, OpClass
 from fsdp_planner.trace.infos import ParamInfo
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import is_within
+from fsdp_planner.trace.tree import is_within, proper_ancestors
 
 A2A_PER_LAYER = 4  # dispatch and combine in forward, their gradients in backward
 
@@ -231,23 +231,27 @@ def _rank_op(e: Event, skew: float, weights: dict[str, _Weights], split: int, de
 
 
 def _expert_weights(trace: Trace, experts: Sequence[str], chosen: set[int]) -> dict[str, _Weights]:
-    """Each expert module, and each module inside one -> its expert params (``_Weights``)."""
-    out: dict[str, _Weights] = {}
+    """Each expert module, and each module inside one -> its expert params (``_Weights``); one pass over the
+    modules, params and events (a pass per expert module was most of an EP view's time on DeepSeek-V3)."""
+    names = set(experts)
+    inside = {name: m for name in trace.modules
+              if (m := next((a for a in (name, *proper_ancestors(name)) if a in names), None)) is not None}
+    own: dict[str, dict[int, ParamInfo]] = {}
+    for i in chosen:
+        p = trace.params[i]
+        m = next((inside[o] for o in p.owners if o in inside), None)
+        if m is not None and len(p.shape) >= 2:
+            own.setdefault(m, {})[i] = p
+    by_flops: dict[str, dict[int, int | None]] = {m: {} for m in own}
+    for e in trace.events:
+        m = inside.get(e.module)
+        if m in own and e.is_op and e.kernel > 0 and e.flops:
+            by_flops[m].setdefault(e.flops, next((p for p in e.params if p in own[m]), None))
     itemsize = trace.compute_itemsize
-    for m in experts:
-        own = {i: trace.params[i] for i in chosen if len(trace.params[i].shape) >= 2
-               and any(is_within(o, m) for o in trace.params[i].owners)}
-        if not own:
-            continue
-        by_flops = {}
-        for e in trace.events:
-            if e.is_op and e.kernel > 0 and e.flops and is_within(e.module, m):
-                by_flops.setdefault(e.flops, next((p for p in e.params if p in own), None))
-        w = _Weights({i: min(p.shape[1:]) for i, p in own.items()},
-                     {i: p.numel * (itemsize or p.itemsize) for i, p in own.items()},
-                     {f: p for f, p in by_flops.items() if p is not None})
-        out.update({name: w for name in trace.modules if is_within(name, m)})
-    return out
+    weights = {m: _Weights({i: min(p.shape[1:]) for i, p in params.items()},
+                           {i: p.numel * (itemsize or p.itemsize) for i, p in params.items()},
+                           {f: i for f, i in by_flops[m].items() if i is not None}) for m, params in own.items()}
+    return {name: weights[m] for name, m in inside.items() if m in weights}
 
 
 def _local_matmul(e: Event, dims: int, nbytes: int, rows: float, weights: float) -> Event:
