@@ -18,9 +18,10 @@ from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.auto import AutoPolicy, PeakTerm, Search, Target, infeasible_message, peak_terms
 from fsdp_planner.planners.auto.atoms import Pin, plan_atoms
+from fsdp_planner.planners.auto.candidates import frugal_plan
 from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, ROOT_SLACK, Evaluator
 from fsdp_planner.planners.auto.explain import Reason, explain
-from fsdp_planner.planners.auto.refine import Move
+from fsdp_planner.planners.auto.refine import Move, Refiner
 from fsdp_planner.sim.budget import DEFAULT_HEADROOM, MemoryBudget
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
@@ -162,6 +163,35 @@ def test_param_free_prologue_plans_and_keeps_the_last_group_unsharded():
     per_atom = search.ev.build([[a] for a in search.atoms])
     assert [g.reshard_after_forward for g in per_atom.inner_groups] == [True, False]
     AutoPolicy(parse_cluster("h100:8")).plan(tr)
+
+
+def test_refinement_is_skipped_only_where_even_the_most_frugal_plan_is_over_the_budget(monkeypatch):
+    """The moves keep groups gathered, prefetch, or move boundaries no finer than the fine atoms: none reaches
+    below the frugal plan of those. Under a budget that plan misses, nothing simulated fits and refinement would
+    only polish plans that cannot run (run anyway, none of its plans fits); at its peak, refinement runs as
+    before."""
+    tr = traced("toy-llama")
+    cluster = parse_cluster("h100:8")
+
+    def search(limit: int) -> Search:
+        budget = MemoryBudget.explicit(limit, 80 * 10**9, "H100")
+        s = Search(Evaluator(tr, cluster, SimOptions(), Target.FSDP2, "", budget=budget), tr, "")
+        for atoms in s.granularities():
+            s.ev.evaluate(s.ev.build([[a] for a in atoms]), "per atom")
+        return s
+
+    floor = search(1 << 60)
+    frugal = floor.ev.evaluate(frugal_plan(floor.ev, floor.fine_atoms), "frugal")
+    reserved = frugal.report.reserved_memory
+    below = search(reserved - 1)
+    assert not any(below.ev.fits(c) for c in below.ev.seen)
+    assert below.refiner.refine(50) <= 1  # the frugal plan, simulated to tell
+    at = search(reserved)
+    assert at.refiner.refine(50) > 1
+    anyway = search(reserved - 1)
+    monkeypatch.setattr(Refiner, "_floor_fits", lambda self, ev: True)
+    assert anyway.refiner.refine(50) > 1
+    assert not any(anyway.ev.fits(c) for c in anyway.ev.seen)
 
 
 def test_tied_models_get_boundary_moves_and_explanations():

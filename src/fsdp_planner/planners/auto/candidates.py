@@ -98,22 +98,33 @@ def segments(atoms: Sequence[Atom], free_segments: Sequence[Sequence[Atom]]) -> 
     return sorted(segs, key=lambda s: s[0].start)
 
 
+def frugal_segments(atoms: Sequence[Atom]) -> list[list[Atom]]:
+    """The most frugal grouping of ``atoms``: every free atom alone."""
+    return segments(atoms, [[a] for a in atoms if a.pin is Pin.FREE])
+
+
+def frugal_plan(ev: Evaluator, atoms: Sequence[Atom]) -> Plan | None:
+    """The most frugal plan of ``atoms``: every free atom alone, every group resharded after forward (the least any
+    grouping of them holds unsharded); None when there is no atom to group."""
+    segs = frugal_segments(atoms)
+    return ev.build(segs, [True] * len(segs)) if segs else None
+
+
 def frugal_and_dp(ev: Evaluator, atoms: list[Atom]) -> Callable[[], None] | None:
     """The most frugal plan (every free atom alone) and the DP's plans for group-size caps from one atom to the
     whole model, simulated in the surrogate's order until a few of them fit the budget. The frugal plan is the
     memory floor; when it could not rank it is returned unsimulated, as a function that simulates it."""
-    free_atoms = [a for a in atoms if a.pin is Pin.FREE]
-    segs = segments(atoms, [[a] for a in free_atoms])
+    segs = frugal_segments(atoms)
     deferred = None
     if segs:
         def frugal() -> None:
-            ev.evaluate(ev.build(segs, [True] * len(segs)), "frugal")
+            ev.evaluate(frugal_plan(ev, atoms), "frugal")
 
         if ev.could_rank([[m for a in seg for m in a.modules] for seg in segs]):
             frugal()
         else:
             deferred = frugal
-    free = coarsen(free_atoms, DP_ATOM_LIMIT)
+    free = coarsen([a for a in atoms if a.pin is Pin.FREE], DP_ATOM_LIMIT)
     if not free:
         return deferred
     for kept in (False, True):

@@ -13,6 +13,7 @@ from enum import Enum
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.planners.auto.atoms import Atom, Pin
+from fsdp_planner.planners.auto.candidates import frugal_plan
 from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, REFINE_STARTS, ROOT_SLACK, Candidate, Evaluator, Target
 from fsdp_planner.planners.order import compress_modules
 from fsdp_planner.sim.sizing import shard_dims
@@ -46,11 +47,13 @@ class Refiner:
         first = self.ev.simulated
         stop = first + plans
         ranked = self.ev.ranked()[:starts]
-        for n, start in enumerate(ranked):
-            # plans built from this start checkpoint what the start does (the search may have left the evaluator
-            # on another setting), and what the setting would have it checkpoint but a group inside forbade (FSDP1)
-            refiner = Refiner(self.ev.checkpointing(self._intended(start, self.ev.checkpointed)), self.atoms,
-                              self.fine_atoms)
+        # plans built from a start checkpoint what it does (the search may have left the evaluator on another
+        # setting), and what the setting would have it checkpoint but a group inside forbade (FSDP1)
+        settings = [self.ev.checkpointing(self._intended(start, self.ev.checkpointed)) for start in ranked]
+        if ranked and not self.ev.fits(ranked[0]) and not any(self._floor_fits(ev) for ev in settings):
+            return self.ev.simulated - first
+        for n, (start, setting) in enumerate(zip(ranked, settings, strict=True)):
+            refiner = Refiner(setting, self.atoms, self.fine_atoms)
             share = self.ev.simulated + max(0, stop - self.ev.simulated) // (len(ranked) - n)
             best = refiner.reshard_prefix(start, share)
             if self.ev.target is Target.FSDP2:
@@ -58,6 +61,17 @@ class Refiner:
                 refiner.move_boundaries(best, share)
             self.cut = self.cut or refiner.cut
         return self.ev.simulated - first
+
+    def _floor_fits(self, ev: Evaluator) -> bool:
+        """Whether any plan the moves reach could fit under ``ev``'s checkpointing. Keeping groups unsharded and
+        prefetching add memory; moving or merging boundaries never groups finer than the fine atoms: the least
+        memory in reach is the frugal plan of those, every group resharded after forward. When nothing simulated
+        fits and that does not either, refinement would only polish plans that cannot run (llama3-405b on 64 H100s
+        without offload: 158 plans, 60% of auto's time, all over the budget by 70 GiB)."""
+        if ev.target is not Target.FSDP2:  # only resharding moves, which add memory
+            return False
+        plan = frugal_plan(ev, self.fine_atoms)
+        return plan is not None and ev.fits(ev.evaluate(plan, "frugal"))
 
     @staticmethod
     def _intended(start: Candidate, setting: Sequence[str]) -> list[str]:
