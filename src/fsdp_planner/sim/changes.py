@@ -58,9 +58,10 @@ class Changes:
                                    else np.zeros(0, dtype=np.int64 if i < 2 else np.float64) for i in range(3))
         inside = positions < n
         positions, cats, values = positions[inside], cats[inside], values[inside]
-        starts = np.union1d(positions, [0])
+        # (one sort for both: np.union1d's hashing and a searchsorted were each slower)
+        starts, row = np.unique(np.concatenate([[0], positions]), return_inverse=True)
+        row = row[1:]
         # bincount adds each weight into its bin in the order given: a running sum per (position, category)
-        row = np.searchsorted(starts, positions)
         table = np.bincount(row * self.categories + cats, weights=values, minlength=len(starts) * self.categories)
         return starts, table.reshape(len(starts), self.categories)
 
