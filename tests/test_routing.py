@@ -3,6 +3,7 @@ placeholder check trace with the balanced stand-in, say so, and a refused op nam
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -241,3 +242,52 @@ def test_value_reading_models_plan_and_verify(spec: str, blocks: str, capsys):
                    "--steps", "2", "--time-steps", "0")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout
+
+
+def test_the_host_waits_for_each_value_a_router_reads():
+    """Each op the stand-in answers is one whose output the host reads (a ``torch.where``'s row count, ``.any()``):
+    on a GPU the host waits for it. Recorded as such in forward, the same whether each block is traced or
+    replayed; a model reading no values has none."""
+    with torch.device("meta"):
+        model, inputs = rm.where_moe()
+    tr = record(model, inputs)
+    syncs = [tr.events[i] for i in tr.index.host_syncs]
+    # 2 layers x 4 experts x (torch.where's nonzero, and .any()'s value)
+    assert len(syncs) == 2 * rm.EXPERTS * 2 and not any(e.backward for e in syncs)
+    assert {e.module for e in syncs} == {"layers.0", "layers.1"}
+    assert record(model, inputs, reuse=False).index.host_syncs == tr.index.host_syncs
+    with torch.device("meta"):
+        dense, x = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)), torch.randn(4, 8)
+    assert record(dense, (x,)).index.host_syncs == []
+
+
+def test_a_router_s_host_waits_expose_the_next_block_s_all_gather():
+    """FSDP2 issues a block's all-gather from its pre-forward hook, which the host reaches only once it has
+    waited for the previous block's last router read: the all-gather no longer hides behind that block's compute
+    (a 2.3B where-routed MoE on 64 H100s, a group per block). An explicit forward prefetch, issued before those
+    reads, hides it again (why torchtitan prefetches explicitly under EP); on a host that never falls behind the
+    waits cost nothing."""
+    from dataclasses import replace
+
+    from fsdp_planner.hardware.cluster import Overhead, parse_cluster
+    from fsdp_planner.planners.classic import ModuleWrapPolicy
+    from fsdp_planner.sim.simulate import simulate
+
+    with torch.device("meta"):
+        model, inputs = rm.routed_lm()
+    tr = record(model, inputs)
+    unread = replace(tr, events=tuple(e._replace(syncs=False) for e in tr.events))
+    plan = ModuleWrapPolicy(["RoutedBlock"]).build(tr, "routed_lm")
+    blocks = [i for i, g in enumerate(plan.groups) if not g.is_root]
+    groups = list(plan.groups)
+    for i, after in itertools.pairwise(blocks):
+        groups[i] = replace(groups[i], forward_prefetch=[after])
+    prefetched = replace(plan, groups=groups)
+    cluster = parse_cluster("h100:64")
+    waiting, free = simulate(tr, plan, cluster), simulate(unread, plan, cluster)
+    assert waiting.exposed_comm > 1.5 * free.exposed_comm and waiting.step_time > 1.05 * free.step_time
+    ahead = simulate(tr, prefetched, cluster)
+    assert ahead.exposed_comm == pytest.approx(simulate(unread, prefetched, cluster).exposed_comm)
+    assert ahead.step_time < waiting.step_time
+    ideal = replace(cluster, overhead=Overhead(0.0, 0.0, cluster.overhead.copy_bandwidth))
+    assert simulate(tr, plan, ideal).step_time == simulate(unread, plan, ideal).step_time

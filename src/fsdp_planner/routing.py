@@ -83,6 +83,7 @@ class StandIn:
     experts: int | None = None  # choices of the last topk: the experts
     per_expert: int = 1  # an expert's balanced row count at that topk
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, module) -> times
+    answers: int = 0  # ops it answered this step: each one the host would wait for on a GPU (``Event.syncs``)
     # the values the stand-in gives tensors it can place: storage -> value of the element at a storage offset
     values: dict[StorageWeakRef, tuple[StorageWeakRef, Callable[[int], int | bool]]] = field(default_factory=dict)
 
@@ -208,6 +209,7 @@ class StandIn:
             dtype = kwargs.get("dtype") or t.dtype
             out = self._copied(t, dtype, kwargs["device"])
         if out is not NOT_HANDLED:
+            self.answers += 1
             key = (_SPELLED.get(f"aten.{packet.__name__}", f"aten.{packet.__name__}"), module)
             self.used[key] = self.used.get(key, 0) + 1
             if self.used[key] > MAX_ANSWERS:

@@ -3,6 +3,7 @@ planner can simulate many plans cheaply."""
 
 from __future__ import annotations
 
+import bisect
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -29,15 +30,17 @@ from fsdp_planner.trace.records import Trace
 @dataclass(frozen=True)
 class Recompute:
     """Forward run again at one pre-backward boundary: its op seconds, the params it reads, whose calls, and how
-    many ops the host launches again for it. Under activation offloading, the host copies at a boundary instead:
-    ``copy_seconds`` on the compute stream (device-to-host after an offloaded call's forward, host-to-device at its
-    pre-backward; ``save_on_cpu`` copies on the current stream, ``fsdp2/checkpointing.py``)."""
+    many ops the host launches again for it, of which ``syncs`` the host waits for (``Event.syncs``). Under
+    activation offloading, the host copies at a boundary instead: ``copy_seconds`` on the compute stream
+    (device-to-host after an offloaded call's forward, host-to-device at its pre-backward; ``save_on_cpu`` copies on
+    the current stream, ``fsdp2/checkpointing.py``)."""
 
     seconds: float
     params: frozenset[int]
     modules: list[str]
     ops: int
     copy_seconds: float = 0.0
+    syncs: int = 0
 
 
 class SimContext:
@@ -213,12 +216,18 @@ class SimContext:
                 # where backward first unpacks: after the pre-backward of the inner groups that ran after the last
                 # pack, whose all-gathers the recomputation then waits for (``recomputed_at``)
                 at = c.runs_again_at(self.trace)
+                syncs = self._syncs_between(c.fwd_pre, c.end)  # (an op a policy keeps is read on the host again)
                 prev = out.get(at)
-                out[at] = Recompute(seconds, frozenset(params), [c.module], ops) if prev is None else \
+                out[at] = Recompute(seconds, frozenset(params), [c.module], ops, syncs=syncs) if prev is None else \
                     Recompute(prev.seconds + seconds, prev.params | params, [*prev.modules, c.module],
-                              prev.ops + ops, prev.copy_seconds)
+                              prev.ops + ops, prev.copy_seconds, prev.syncs + syncs)
             self._recompute[key] = out
         return self._recompute[key]
+
+    def _syncs_between(self, start: int, end: int) -> int:
+        """The host syncs (``Event.syncs``) among events ``start`` to ``end`` - 1."""
+        syncs = self.trace.index.host_syncs
+        return bisect.bisect_left(syncs, end) - bisect.bisect_left(syncs, start)
 
     def host_copy_seconds(self, kind: CollectiveKind, params: tuple[int, ...]) -> float:
         """``CPUOffloadPolicy``: the shards of ``params`` copied host-to-device before their all-gather (the params'

@@ -5,7 +5,10 @@ module puts times on them with three streams, as FSDP2 runs them:
 - host: eager PyTorch runs ahead of the GPU, launching each op (``Overhead.op_seconds``) and running FSDP2's
   hooks (``hook_seconds`` each, at the boundaries the replay lists); an op cannot start before the host launched
   it, and a collective not before its hook ran. While the host keeps ahead this costs nothing; with many tiny
-  groups or ops it is the step (pytorch#173680);
+  groups or ops it is the step (pytorch#173680). Where it reads an op's output (``Event.syncs``: a router's
+  ``nonzero``, ``.item()``, a copy to the CPU) it waits for the GPU to finish that op: its lead is gone, and the
+  next group's all-gather, which its pre-forward hook issues, waits for it too (torchtitan sets explicit forward
+  prefetch under EP for this: "D2H syncs in EP could interfere with implicit prefetching in FSDP");
 - compute: the trace's ops in order (``compute.py``); an op reading a param waits until that param's group is
   gathered, then pays the group's copy-out (FSDP2 runs ``split_with_sizes_copy`` on the compute stream);
 - all-gather: collectives in issue order. Forward: the CPU runs one group ahead (FSDP2's implicit forward
@@ -157,11 +160,13 @@ class HostClock:
     (at its boundary, before the ops after it) ``hook_seconds`` plus ``param_seconds`` / 4 for each param its group
     manages (a group runs four hooks a step), ``module_seconds`` at each call of a module fully_shard was applied
     to, and the ops of a checkpointed forward launched again at its pre-backward boundary. The host never waits for
-    the GPU within a step (FSDP2's stream waits are on the GPU), so this is a running sum, and the GPU finishes ops
+    the GPU within a step (FSDP2's stream waits are on the GPU) but where it reads an op's output (``waited``), so
+    this is a running sum plus what it waited so far (``delay``), and the GPU finishes ops
     pos..idx-1 no earlier than the latest (launch of op j + the ops from j to idx)."""
 
     def __init__(self, ctx: SimContext, hooks: list[tuple[int, int]], group_params: list[int],
                  recompute: dict[int, Recompute], calls: Sequence[int] = ()) -> None:
+        self.delay = 0.0  # how far behind the running sum the host is, from waiting for the GPU (``waited``)
         n = len(ctx.trace.events)
         overhead = ctx.cluster.overhead
         host = np.zeros(n + 1)  # host seconds spent at each event beyond launching its op
@@ -178,13 +183,19 @@ class HostClock:
 
     def at(self, idx: int) -> float:
         """The host's time once boundary ``idx``'s hooks ran (and any recomputation there was launched)."""
-        return float(self.launched[idx])
+        return float(self.launched[idx]) + self.delay
+
+    def waited(self, idx: int, gpu: float) -> None:
+        """The host waited at event ``idx`` for the GPU to reach ``gpu`` (it read an op's output: ``Event.syncs``):
+        it launches everything after later by what it waited."""
+        self.delay = max(self.delay, gpu - float(self.launched[idx]))
 
     def finishes(self, stops: list[int]) -> list[float]:
         """The earliest the GPU can finish the ops of each stretch between consecutive ``stops`` (ascending, from
         0), given when they were launched: the stretch's largest lead plus the ops before its end, all stretches in
         one numpy call (one call each was a fifth of the engine's time). Entry k is for the stretch ending at
-        ``stops[k]`` (an empty stretch: never asked)."""
+        ``stops[k]`` (an empty stretch: never asked), before any wait for the GPU (``delay``, which is constant
+        within a stretch: an op the host waits for ends one)."""
         if not len(self.lead):
             return [self.cum[idx] for idx in stops]
         maxima = np.maximum.reduceat(self.lead, [0, *stops[:-1]])  # (the last stop is the step's end)
@@ -202,10 +213,14 @@ def simulate_streams(ctx: SimContext, plan: Plan, sched: Schedule, groups: list[
     n = len(ctx.trace.events)
     # forward_end: a run of ops never spans the step's forward/backward boundary, so each run has one phase
     # (pictures colour it by that; the clocks are unchanged, a run's time being the sum of its parts)
-    stops = sorted({*issued_at, *waits, *recompute, ctx.trace.index.forward_end, n})
+    # after each op the host waits for (``Event.syncs``): the host's lead is gone there (an ideal host: none)
+    synced = {i + 1 for i in ctx.trace.index.host_syncs} if host is not None else set()
+    stops = sorted({*issued_at, *waits, *recompute, *synced, ctx.trace.index.forward_end, n})
     finishes = host.finishes(stops) if host is not None else [None] * len(stops)
     for idx, finish in zip(stops, finishes, strict=True):
-        streams.compute_until(idx, finish)
+        streams.compute_until(idx, None if host is None else finish + host.delay)
+        if idx in synced:
+            host.waited(idx - 1, streams.t)
         for c in issued_at.get(idx, ()):
             streams.issue(c)
         if idx in recompute:  # the checkpointed forward runs again once the params it reads are gathered
@@ -213,6 +228,8 @@ def simulate_streams(ctx: SimContext, plan: Plan, sched: Schedule, groups: list[
             streams.wait_for(sorted({group_of[p] for p in r.params if p in group_of}))
             streams.run_extra(r.seconds, f"recompute {fmt_modules(r.modules, 1)}", host.at(idx) if host else 0.0)
             streams.run_copy(r.copy_seconds, f"activation copies {fmt_modules(r.modules, 1)}")
+            if r.syncs and host is not None:  # it read outputs on the host again: taken as the recomputation's end
+                host.waited(idx, streams.t)
         if idx < n and idx in waits:
             streams.wait_for(waits[idx])
     if host is not None:  # the step is not over before the host ran the final callback's hooks

@@ -136,6 +136,9 @@ class Event(NamedTuple):
     # OTHER) made; forward op: the same of each storage it saves first that a call running took as its input (the
     # next module's save of a block's output). Where a checkpointed call keeps that op, SAC's cache holds the storage
     # from it: one storage, not a second beside the cache (``sim/recompute.shared_deltas``)
+    syncs: bool = False  # op: the host reads its output (the size nonzero or a boolean index makes, ``.item()``, a
+    # copy to the CPU: what the routing stand-in answers, ``routing.py``), so on a GPU it waits for the op to finish
+    # before launching more: the host's lead is gone there (``sim/streams.py``)
 
     @property
     def is_op(self) -> bool:

@@ -225,6 +225,11 @@ class TraceIndex:
         return np.fromiter((e.kernel for e in self._events), dtype=np.int64, count=len(self._events))
 
     @cached_property
+    def host_syncs(self) -> list[int]:
+        """The ops the host waits for (``Event.syncs``), in order."""
+        return [i for i, e in enumerate(self._events) if e.syncs]
+
+    @cached_property
     def read_outside(self) -> frozenset[int]:
         """Params a forward op reads outside the modules that own them (only the root is unsharded around it)."""
         owners = [p.owners for p in self._params]

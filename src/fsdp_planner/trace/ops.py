@@ -215,6 +215,7 @@ class OpRecorder(TorchDispatchMode):
         if type(self.slot.recorder) is NullRecorder or func.namespace == "prim":
             # the tracer's own tensors (replayed calls), or a metadata query (prim.device on a fake tensor): no op
             return func(*args, **kwargs)
+        answers = self.stand_in.answers
         try:
             out = self._run(func, args, kwargs)
         except Exception as e:
@@ -245,6 +246,7 @@ class OpRecorder(TorchDispatchMode):
             live = recorder.temporary(t for t in flat_out if isinstance(t, torch.Tensor) and self.param_by_id.get(
                 id(t)) is None)
         kernel = kernel_of(func, args, kwargs)
+        syncs = self.stand_in.answers > answers  # the stand-in read values: on a GPU, the host waits for them
         if kernel in ATTENTION_KERNELS and not recorder.backward:
             self._attention_heads(args)
         if recorder.backward:
@@ -253,14 +255,15 @@ class OpRecorder(TorchDispatchMode):
             # the loss's backward ops keep their class and output bytes: loss parallel runs some otherwise
             cls, out_nbytes = (op_class(func), outputs_nbytes(flat_out)) if outside else (OpClass.OTHER, 0)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, cls, out_nbytes, kernel=kernel,
-                        grad_live=grad_live, workspace=workspace_bytes(func, args, kwargs))
+                        grad_live=grad_live, workspace=workspace_bytes(func, args, kwargs), syncs=syncs)
             recorder.made_grads(made)
         else:
-            self._forward_op(func, args, kwargs, flat_in, flat_out, (tuple(sorted(used)), flops, nbytes, live), kernel)
+            self._forward_op(func, args, kwargs, flat_in, flat_out, (tuple(sorted(used)), flops, nbytes, live), kernel,
+                             syncs)
         return out
 
     def _forward_op(self, func: Any, args: tuple, kwargs: dict, flat_in: list, flat_out: list,
-                    counted: tuple[tuple[int, ...], int, int, int], kernel: int) -> None:
+                    counted: tuple[tuple[int, ...], int, int, int], kernel: int, syncs: bool) -> None:
         """A forward op: what it read and made, and what selective checkpointing needs (it never sees backward's);
         ``counted``: the params it read, its FLOPs, bytes and temporaries alive."""
         recorder = self.slot.recorder
@@ -273,7 +276,7 @@ class OpRecorder(TorchDispatchMode):
         if cls is not OpClass.OTHER:  # one an op-level policy can keep (``Event.made_at``)
             recorder.made_by_keepable(flat_out)
         params, flops, nbytes, live = counted
-        recorder.op(params, flops, nbytes, live, cls, outputs_nbytes(flat_out), kernel)
+        recorder.op(params, flops, nbytes, live, cls, outputs_nbytes(flat_out), kernel, syncs=syncs)
 
     def _attention_heads(self, args: tuple) -> None:
         """(query heads, key heads, head dim) of a fused attention call, from its (batch, heads, seq, head dim)

@@ -248,7 +248,7 @@ class ActionLog(StepRecorder):
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
            op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0,
-           workspace: int = 0) -> None:
+           workspace: int = 0, syncs: bool = False) -> None:
         slots = []
         for p in params:
             if p not in self.param_name:
@@ -258,7 +258,8 @@ class ActionLog(StepRecorder):
                 self.slots[p] = len(self.template.params)
                 self.template.params.append(self.param_name[p])
             slots.append(self.slots[p])
-        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, live, workspace, grad_live, ()))
+        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, syncs, live, workspace, grad_live,
+                   ()))
         if not self.backward:
             self.frame.op_done()
             self.forward_ops += 1
@@ -808,8 +809,8 @@ def _added(used: dict[tuple[str, str], int], routed: list[tuple[str, str, int]],
 
 
 def _compile_ops(template: Template, r: _Repeated) -> None:
-    """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes, kernel,
-    temporaries, kernel workspace, gradient bytes, saved bytes freed by the saving call), ...])
+    """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes, kernel, host
+    sync, temporaries, kernel workspace, gradient bytes, saved bytes freed by the saving call), ...])
     action, their param slots
     ordered by registration (which every instance shares), so a replay maps them straight to the sorted index
     tuples the recorder keeps."""

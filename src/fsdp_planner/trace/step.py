@@ -97,7 +97,7 @@ class StepRecorder:
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
            op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0,
-           workspace: int = 0) -> None:
+           workspace: int = 0, syncs: bool = False) -> None:
         module = self.current_module()
         saved, made = self.take_pending(module)
         self.last_op, self.last_op_module = len(self.events), module
@@ -111,7 +111,7 @@ class StepRecorder:
         self.events.append(Event(EventKind.OP, module, params=params, flops=flops, nbytes=nbytes, saved=saved,
                                  backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
                                  kernel=kernel, grad_live=grad_live, workspace=workspace, resaved=resaved,
-                                 made_at=made))
+                                 made_at=made, syncs=syncs))
 
     def take_pending(self, module: str) -> tuple[int, tuple]:
         """The caller's saved bytes (and their ``Event.made_at``) an op of ``module`` about to be recorded takes: all
@@ -191,19 +191,20 @@ class StepRecorder:
         """Whether an op now runs outside every module call: the loss, or its backward before the model's."""
         return not self.fwd_stack and not self.bwd_active and not (self.backward and self.bwd_started)
 
-    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int, int, int, int, int]]) -> None:
+    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int, bool, int, int, int, int]]
+            ) -> None:
         """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes,
-        kernel, temporaries made in the call, kernel workspace, gradient bytes, saved bytes freed) each; those
-        alive from before the call (``Temporaries``) are alive during it too."""
+        kernel, host sync, temporaries made in the call, kernel workspace, gradient bytes, saved bytes freed) each;
+        those alive from before the call (``Temporaries``) are alive during it too."""
         module, backward = self.current_module(), self.backward
         outer = 0 if backward else self.temporaries.current
         first = len(self.events)
         self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward,
                                   live=live + outer if live or outer else 0, op_class=op_class,
                                   out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live, freed=freed,
-                                  workspace=workspace)
-                            for params, flops, nbytes, op_class, out_nbytes, kernel, live, workspace, grad_live, freed
-                            in batch])
+                                  workspace=workspace, syncs=syncs)
+                            for params, flops, nbytes, op_class, out_nbytes, kernel, syncs, live, workspace, grad_live,
+                            freed in batch])
         masks = [i for i, b in enumerate(batch) if b[3] is OpClass.ATTENTION_MASK]
         if masks:
             self.last_mask_op = first + masks[-1]
@@ -767,7 +768,7 @@ class NullRecorder(StepRecorder):
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
            op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0,
-           workspace: int = 0) -> None:
+           workspace: int = 0, syncs: bool = False) -> None:
         pass
 
     def outside_modules(self) -> bool:
