@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from fsdp_planner.fsdp2.checkpointing import recomputed_spans
-from fsdp_planner.fsdp2.claim import hooked_modules
+from fsdp_planner.fsdp2.claim import hooked_in
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.expert_groups import param_group_hosts
 from fsdp_planner.fsdp2.plan import Group, Mesh, Plan, ReshardAfterForward
@@ -146,7 +146,7 @@ class GroupReplay:
     module of their own."""
 
     def __init__(self, index: int, group: Group, grad_params: list[int], grad_ready_at: list[int],
-                 mesh: Mesh | None, shared: _Shared, hooked: list[str]) -> None:
+                 mesh: Mesh | None, shared: _Shared, hooked: Sequence[str]) -> None:
         self.index, self.group, self.shared = index, group, shared
         self.hooked = hooked  # the listed modules FSDP2 hooks (``hooked_modules``)
         self.has_params = bool(group.params)
@@ -411,7 +411,7 @@ class Replay:
         mesh = plan.mesh or (Mesh.flat(world_size) if world_size is not None else None)
         hosts = param_group_hosts(plan, trace)
         self.groups = [GroupReplay(i, g, [p for p in ps if reducible[p]], index.grad_ready_at, mesh, self.shared,
-                                   [] if i in hosts else hooked_modules(g.modules, trace.index.parents))
+                                   [] if i in hosts else hooked_in(trace, g.modules))
                        for i, (g, ps) in enumerate(zip(plan.groups, group_params, strict=True))]
         self._join_states(hosts, group_params)
         for g, replay in zip(plan.groups, self.groups, strict=True):
@@ -554,5 +554,5 @@ def state_hook_calls(trace: Trace, plan: Plan) -> list[int]:
     these a pass, single-module groups one each (``Overhead.module_seconds``)."""
     hosts = param_group_hosts(plan, trace)  # (experts in their block's call: no hooks of their own)
     targets = {m for i, g in enumerate(plan.groups) if i not in hosts
-               for m in hooked_modules(g.modules, trace.index.parents)}
+               for m in hooked_in(trace, g.modules)}
     return [i for i, e in enumerate(trace.events) if e.kind is EventKind.FWD_PRE and e.module in targets]
