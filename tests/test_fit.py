@@ -264,6 +264,20 @@ def test_check_answers_on_a_cluster(capsys):
     assert {f["code"] for f in a100 if f["severity"] == "info"} == {"reduce-dtype-cost"}
 
 
+def test_check_answers_explicit_forward_prefetch_where_the_host_waits(capsys):
+    """A where-routed MoE's host waits for each expert's token count: check --cluster says each group prefetching
+    the next in forward pays, with the step both ways (a model whose host never waits gets no such answer:
+    ``test_check_answers_on_a_cluster``)."""
+    from pathlib import Path
+
+    model = f"{Path(__file__).parent / 'fixtures' / 'routing_models.py'}:routed_lm"
+    findings = run_json(capsys, "check", model, "--module-classes", "RoutedBlock", "--cluster", "h100:64")
+    answer = next(f for f in findings if f["code"] == "forward-prefetch")
+    assert answer["severity"] == "info"
+    assert "the host waits for the GPU 64 times in forward" in answer["message"]  # 8 blocks x 8 experts
+    assert "faster)" in answer["message"] and answer["fix"].startswith("set each group's forward prefetch")
+
+
 @pytest.mark.integration
 def test_check_answers_are_simulates_figures(capsys):
     """The reduce-dtype and HSDP answers quote the step times simulate gives for the changed plan (1 s)."""

@@ -63,6 +63,7 @@ class Code(Enum):
     REDUCE_DTYPE_COST = "reduce-dtype-cost"  # info: the step with grads reduced in bf16 vs fp32
     HSDP_PAYS = "hsdp"  # info: the plan on the best HSDP layout vs pure FSDP
     RESHARD_TO_NODE = "reshard-to-node"  # info: int reshard_after_forward (the node) vs True
+    FORWARD_PREFETCH = "forward-prefetch"  # info: explicit forward prefetch vs implicit, where the host waits
     COMPILE_PAYS = "compile"  # info: the step with the repeated blocks torch.compile'd vs eager (or the reverse)
     COMPILE_LOSS_PAYS = "compile-loss"  # info: the step with the loss torch.compile'd vs eager (or the reverse)
     FLOAT8_PAYS = "float8"  # info: the step with torchao's float8 training (tensorwise, float8 all-gather) vs without

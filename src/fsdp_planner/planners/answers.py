@@ -1,4 +1,4 @@
-"""``check --cluster``'s answers: four questions people ask about a plan that the simulator answers without a new
+"""``check --cluster``'s answers: questions people ask about a plan that the simulator answers without a new
 model, each as an ``info`` finding with the step time (and reserved peak) both ways.
 
 - Reduce in bf16 or fp32? ``MixedPrecisionPolicy.reduce_dtype`` sets the reduce-scatter's bytes (and HSDP's
@@ -11,6 +11,9 @@ model, each as an ``info`` finding with the step time (and reserved peak) both w
 - Does torch.compile pay? The plan on the step with its repeated blocks compiled as torchtitan compiles them
   (``--compile``), against eager (or the reverse): fused memory-bound kernels and what AOTAutograd saves. Needs
   the other trace, which the caller makes (``compile_answer``).
+- Does explicit forward prefetch pay? Only where the host waits in forward (``Event.syncs``: a router reading its
+  token counts): FSDP2 issues a group's all-gather from its pre-forward hook, which the host reaches late after a
+  wait; each group prefetching the next (``set_modules_to_forward_prefetch``) issues it before the waits.
 - Does float8 training pay? torchao's tensorwise float8 Linears with FSDP2's float8 all-gather (``--float8``) on a
   GPU with float8 tensor cores, against bf16 matmuls (or, for a plan that has it, the reverse): faster matmuls and
   half the converted weights' all-gather bytes, for float8's numerics, so only the user chooses it.
@@ -19,6 +22,7 @@ model, each as an ``info`` finding with the step time (and reserved peak) both w
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from fsdp_planner.choices import Float8Recipe, ReduceDtype, Target
 from fsdp_planner.errors import PlannerError
@@ -40,9 +44,9 @@ NEGLIGIBLE = 0.01  # a step time difference below this fraction is reported as n
 
 
 def answers(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, budget: MemoryBudget) -> list[Finding]:
-    """The three answers for ``plan`` on ``cluster`` (a question that does not arise there is left out: HSDP and
-    a node-sized reshard on one node); where the plan cannot run there, that is the one finding (an error: the
-    other findings had none)."""
+    """The answers for ``plan`` on ``cluster`` (a question that does not arise there is left out: HSDP and a
+    node-sized reshard on one node, explicit forward prefetch where the host never waits); where the plan cannot
+    run there, that is the one finding (an error: the other findings had none)."""
     try:
         base = simulate(tr, plan, cluster, options, timeline=False)
     except PlannerError as e:
@@ -50,6 +54,7 @@ def answers(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, budget
                         "change the plan as the message says, or make it again with plan --out")]
     found = [_over_budget_finding(base, budget, _all_blocks_checkpointed(tr, plan)),
              _reduce_dtype(tr, plan, cluster, options, base, budget),
+             _forward_prefetch(tr, plan, cluster, options, base, budget),
              float8_answer(tr, plan, cluster, options, base, budget)]
     if cluster.world_size > cluster.gpus_per_node:
         found += [_hsdp(tr, plan, cluster, options, base, budget), _reshard_to_node(tr, plan, cluster, options,
@@ -175,6 +180,35 @@ def _hsdp(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: St
 def _data_parallel(plan: Plan, cluster: Cluster) -> Cluster:
     """The cluster as the plan's data-parallel ranks see it: under TP, a node holds gpus_per_node / TP of them."""
     return dp_cluster(cluster, plan.tp_degree) if plan.tp_degree > 1 else cluster
+
+
+def _forward_prefetch(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
+                      budget: MemoryBudget) -> Finding | None:
+    """Each group used in forward prefetching the next in forward order (FSDP2's explicit forward prefetch), where
+    the host waits for the GPU in forward and the plan prefetches nothing explicitly (an EP plan cannot yet:
+    ``expert_groups.check_no_prefetch``)."""
+    waits = sum(1 for i in tr.index.host_syncs if not tr.events[i].backward)
+    if not waits or plan.expert_parallel is not None or any(g.forward_prefetch for g in plan.groups):
+        return None
+    first = {i: min((u for m in g.modules if (u := tr.modules[m].first_use) >= 0), default=-1)
+             for i, g in enumerate(plan.groups) if not g.is_root and g.params}
+    order = sorted((i for i, u in first.items() if u >= 0), key=first.__getitem__)
+    if len(order) < 2:
+        return None
+    groups = list(plan.groups)
+    for i, after in itertools.pairwise(order):
+        groups[i] = dataclasses.replace(groups[i], forward_prefetch=[after])
+    alt = _step(tr, dataclasses.replace(plan, groups=groups), cluster, options)
+    if alt is None:
+        return None
+    what = (f"each group prefetching the next in forward (the host waits for the GPU {waits:,} times in forward, "
+            f"reading values such as a router's token counts): {_versus(base, alt, budget)}")
+    fix = ("set each group's forward prefetch to the next group (module.set_modules_to_forward_prefetch([next]), "
+           "a plan's forward_prefetch): FSDP2 issues an all-gather from the group's pre-forward hook, which the "
+           "host reaches only after those waits" if _pays(base, alt, budget) else
+           f"keep implicit prefetch: explicit is faster, but over the {fmt_bytes(budget.limit)} budget"
+           if _over_budget(base, alt, budget) else "keep implicit prefetch: explicit does not pay here")
+    return Finding(Severity.INFO, Code.FORWARD_PREFETCH, what, fix)
 
 
 def _reshard_to_node(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
