@@ -291,3 +291,16 @@ def test_a_router_s_host_waits_expose_the_next_block_s_all_gather():
     assert ahead.step_time < waiting.step_time
     ideal = replace(cluster, overhead=Overhead(0.0, 0.0, cluster.overhead.copy_bandwidth))
     assert simulate(tr, plan, ideal).step_time == simulate(unread, plan, ideal).step_time
+
+
+@pytest.mark.parametrize("factory, block", [("where_moe", "WhereMoE"), ("sorted_moe", "SortedMoE"),
+                                            ("routed_lm", "RoutedBlock")])
+def test_a_routed_moe_block_is_the_block_not_its_experts(factory: str, block: str):
+    """An MoE block holding its experts in a ModuleList is no stage stacking layers: its router reads token
+    counts (host syncs inside it), so the experts, which split the tokens, are not taken for the blocks (they were:
+    every expert MLP a titan group and a checkpointed block, the root Sequential among them)."""
+    with torch.device("meta"):
+        model, inputs = getattr(rm, factory)()
+    tr = record(model, inputs)
+    assert tr.index.block_class == block
+    assert all(tr.modules[m].cls == block for m in tr.index.block_instances)

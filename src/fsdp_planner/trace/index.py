@@ -372,9 +372,14 @@ class TraceIndex:
         ``SwinStage.blocks`` of ``SwinLayer``, Hugging Face ResNet's stages), when those blocks hold most of its
         params: wrapping the stage would make one FSDP group of several layers. The stack's children must be
         composite modules of one class, so an MLP ``Sequential(Linear, GELU, Linear)`` or T5's heterogeneous
-        ``T5Block.layer`` never counts."""
+        ``T5Block.layer`` never counts, and ``cls`` must route no tokens to them (an MoE block's experts)."""
         numel = self.subtree_numel
         instances = [m for m, info in self._modules.items() if info.cls == cls and numel[m] > 0]
+        # a router among its ops reading token counts (``host_syncs``): the stack holds experts, each running on the
+        # tokens routed to it, not layers (a torch.where-routed MoE block's ModuleList of expert MLPs)
+        routers = {self._events[i].module for i in self.host_syncs}
+        if any(is_within(r, m) for r in routers for m in instances):
+            return None
         found: set[str] = set()
         stacked = 0
         for m in instances:
