@@ -228,7 +228,10 @@ Python work in the hooks and the replay, about 0.12-0.25 ms per module call. Onl
 on pass through it (routing.py); a ReLU's backward (`where`) no longer does. Planning: the structured candidates
 are a fixed set and the local refinement simulates at most `--search-effort` plans (6,000,000 trace events' worth
 by default), so auto's cost is linear in the trace, but each simulation is ~0.1 ms of Python per group and ~10
-memory changes per param: what misses the targets is auto, not the trace. "flat" and "flat-mixed" (every module
+memory changes per param: what misses the targets is auto, not the trace. llama3-405b fits nothing on 64 H100s
+without CPU offload: that search refines nothing once even its most frugal plan is over the budget (no move reaches
+below it: ``Refiner._floor_fits``; it refined 158 plans of 1,137 groups before, 60% of auto's time), and the
+offload search's refinement is what remains. "flat" and "flat-mixed" (every module
 its own atom) simulate the classic per-module baselines (thousands of groups each, on each layout searched, as
 auto reports them); the block models' 10,000 params, each with its own first backward use, make the memory curve's
 segments. Making auto faster without changing its plans (the determinism and plan-quality tables) is left to the
