@@ -194,6 +194,34 @@ def test_refinement_is_skipped_only_where_even_the_most_frugal_plan_is_over_the_
     assert not any(anyway.ev.fits(c) for c in anyway.ev.seen)
 
 
+def test_under_op_level_checkpointing_refinement_is_not_skipped_on_the_fine_atoms_floor():
+    """A group inside a block drops that block's op-level checkpointing, so the fine atoms' frugal plan is no
+    memory floor there: a boundary move from a 2-group plan fits a budget that plan misses (a reviewer's case on
+    toy-llama, every block op-level: the refinement was skipped and nothing fit)."""
+    from fsdp_planner.choices import SacPolicy
+    from fsdp_planner.planners.blocks import block_instances
+
+    tr = traced("toy-llama")
+    selective = dict.fromkeys(block_instances(tr), SacPolicy.TITAN)
+
+    def search(limit: int) -> Search:
+        budget = MemoryBudget.explicit(limit, 80 * 10**9, "H100")
+        return Search(Evaluator(tr, parse_cluster("h100:8"), SimOptions(), Target.FSDP2, "", budget=budget,
+                                selective=selective), tr, "")
+
+    free = [a for a in search(1 << 60).atoms if a.pin is Pin.FREE]
+    floor = search(1 << 60)
+    fine = floor.ev.evaluate(frugal_plan(floor.ev, floor.fine_atoms), "frugal").report.reserved_memory
+    two, k = min((floor.ev.evaluate(floor.ev.build([free[:k], free[k:]]), f"split at {k}").report.reserved_memory, k)
+                 for k in range(1, len(free)))
+    assert two < fine
+    tight = search((two + fine) // 2)  # under the fine floor, over the best 2-group plan
+    start = tight.ev.evaluate(tight.ev.build([free[:1], free[1:]]), "start")
+    assert k != 1 and not tight.ev.fits(start)
+    tight.refiner.refine(100)
+    assert any(tight.ev.fits(c) for c in tight.ev.seen if c.runs)
+
+
 def test_tied_models_get_boundary_moves_and_explanations():
     # without checkpointing: with it, 2 groups with blocks checkpointed are faster on this host-bound model
     result = near_minimum("toy-gpt2-tied", 1.05, checkpointing=ACMode.NONE)

@@ -264,7 +264,7 @@ def test_check_answers_on_a_cluster(capsys):
     assert {f["code"] for f in a100 if f["severity"] == "info"} == {"reduce-dtype-cost"}
 
 
-def test_check_answers_explicit_forward_prefetch_where_the_host_waits(capsys):
+def test_check_answers_explicit_forward_prefetch_where_the_host_waits(capsys, tmp_path):
     """A where-routed MoE's host waits for each expert's token count: check --cluster says each group prefetching
     the next in forward pays, with the step both ways (a model whose host never waits gets no such answer:
     ``test_check_answers_on_a_cluster``)."""
@@ -276,6 +276,18 @@ def test_check_answers_explicit_forward_prefetch_where_the_host_waits(capsys):
     assert answer["severity"] == "info"
     assert "the host waits for the GPU 64 times in forward" in answer["message"]  # 8 blocks x 8 experts
     assert "faster)" in answer["message"] and answer["fix"].startswith("set each group's forward prefetch")
+    # a plan whose first group prefetches the next already: the others are asked about
+    written = tmp_path / "plan.json"
+    assert main(["plan", model, "--policy", "module", "--module-classes", "RoutedBlock", "--cluster", "h100:64",
+                 "--out", str(written), "--quiet"]) == 0
+    capsys.readouterr()
+    doc = json.loads(written.read_text())
+    doc["groups"][0]["forward_prefetch"] = [1]
+    written.write_text(json.dumps(doc))
+    findings = run_json(capsys, "check", model, "--plan", str(written), "--cluster", "h100:64")
+    answer = next(f for f in findings if f["code"] == "forward-prefetch")
+    assert "each group that prefetches nothing" in answer["message"]
+    assert answer["fix"].startswith("give each group that has none a forward prefetch of the next")
 
 
 @pytest.mark.integration

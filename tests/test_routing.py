@@ -286,6 +286,7 @@ def test_a_router_s_host_waits_expose_the_next_block_s_all_gather():
     cluster = parse_cluster("h100:64")
     waiting, free = simulate(tr, plan, cluster), simulate(unread, plan, cluster)
     assert waiting.exposed_comm > 1.5 * free.exposed_comm and waiting.step_time > 1.05 * free.step_time
+    assert waiting.host_time == pytest.approx(free.host_time)  # its own work: waiting is not busy
     ahead = simulate(tr, prefetched, cluster)
     assert ahead.exposed_comm == pytest.approx(simulate(unread, prefetched, cluster).exposed_comm)
     assert ahead.step_time < waiting.step_time

@@ -184,11 +184,11 @@ def _data_parallel(plan: Plan, cluster: Cluster) -> Cluster:
 
 def _forward_prefetch(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
                       budget: MemoryBudget) -> Finding | None:
-    """Each group used in forward prefetching the next in forward order (FSDP2's explicit forward prefetch), where
-    the host waits for the GPU in forward and the plan prefetches nothing explicitly (an EP plan cannot yet:
+    """Each group used in forward that prefetches nothing explicitly prefetching the next in forward order (FSDP2's
+    explicit forward prefetch), where the host waits for the GPU in forward (not for an EP plan, which cannot yet:
     ``expert_groups.check_no_prefetch``)."""
     waits = sum(1 for i in tr.index.host_syncs if not tr.events[i].backward)
-    if not waits or plan.expert_parallel is not None or any(g.forward_prefetch for g in plan.groups):
+    if not waits or plan.expert_parallel is not None:
         return None
     first = {i: min((u for m in g.modules if (u := tr.modules[m].first_use) >= 0), default=-1)
              for i, g in enumerate(plan.groups) if not g.is_root and g.params}
@@ -197,15 +197,21 @@ def _forward_prefetch(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptio
         return None
     groups = list(plan.groups)
     for i, after in itertools.pairwise(order):
-        groups[i] = dataclasses.replace(groups[i], forward_prefetch=[after])
+        if not groups[i].forward_prefetch:
+            groups[i] = dataclasses.replace(groups[i], forward_prefetch=[after])
+    if groups == list(plan.groups):  # each prefetches already
+        return None
     alt = _step(tr, dataclasses.replace(plan, groups=groups), cluster, options)
     if alt is None:
         return None
-    what = (f"each group prefetching the next in forward (the host waits for the GPU {waits:,} times in forward, "
-            f"reading values such as a router's token counts): {_versus(base, alt, budget)}")
-    fix = ("set each group's forward prefetch to the next group (module.set_modules_to_forward_prefetch([next]), "
-           "a plan's forward_prefetch): FSDP2 issues an all-gather from the group's pre-forward hook, which the "
-           "host reaches only after those waits" if _pays(base, alt, budget) else
+    some = any(g.forward_prefetch for g in plan.groups)
+    what = (f"each group {'that prefetches nothing ' if some else ''}prefetching the next in forward (the host waits "
+            f"for the GPU {waits:,} times in forward, reading values such as a router's token counts): "
+            f"{_versus(base, alt, budget)}")
+    fix = (("give each group that has none a forward prefetch of the next" if some else
+            "set each group's forward prefetch to the next group") + " (module.set_modules_to_forward_prefetch("
+           "[next]), a plan's forward_prefetch): FSDP2 issues an all-gather from the group's pre-forward hook, "
+           "which the host reaches only after those waits" if _pays(base, alt, budget) else
            f"keep implicit prefetch: explicit is faster, but over the {fmt_bytes(budget.limit)} budget"
            if _over_budget(base, alt, budget) else "keep implicit prefetch: explicit does not pay here")
     return Finding(Severity.INFO, Code.FORWARD_PREFETCH, what, fix)

@@ -216,7 +216,8 @@ class SimContext:
                 # where backward first unpacks: after the pre-backward of the inner groups that ran after the last
                 # pack, whose all-gathers the recomputation then waits for (``recomputed_at``)
                 at = c.runs_again_at(self.trace)
-                syncs = self._syncs_between(c.fwd_pre, c.end)  # (an op a policy keeps is read on the host again)
+                # the host waits again for each op it reads that runs again (one a policy keeps comes from its cache)
+                syncs = self._syncs_between(c.fwd_pre, c.end) - sum(1 for i in kept if events[i].syncs)
                 prev = out.get(at)
                 out[at] = Recompute(seconds, frozenset(params), [c.module], ops, syncs=syncs) if prev is None else \
                     Recompute(prev.seconds + seconds, prev.params | params, [*prev.modules, c.module],

@@ -185,6 +185,10 @@ class HostClock:
         """The host's time once boundary ``idx``'s hooks ran (and any recomputation there was launched)."""
         return float(self.launched[idx]) + self.delay
 
+    def work(self, idx: int) -> float:
+        """The host's own work up to boundary ``idx`` (launches and hooks), its waits for the GPU left out."""
+        return float(self.launched[idx])
+
     def waited(self, idx: int, gpu: float) -> None:
         """The host waited at event ``idx`` for the GPU to reach ``gpu`` (it read an op's output: ``Event.syncs``):
         it launches everything after later by what it waited."""
@@ -234,7 +238,7 @@ def simulate_streams(ctx: SimContext, plan: Plan, sched: Schedule, groups: list[
             streams.wait_for(waits[idx])
     if host is not None:  # the step is not over before the host ran the final callback's hooks
         streams.wait_for_host(host.at(n))
-    return _times(ctx, streams, recompute, host.at(n) if host else 0.0)
+    return _times(ctx, streams, recompute, host.work(n) if host else 0.0)
 
 
 def _stops(sched: Schedule, groups: list[GroupFacts], n: int) -> tuple[dict[int, list[Collective]],

@@ -70,6 +70,8 @@ class Refiner:
         without offload: 158 plans, 60% of auto's time, all over the budget by 70 GiB)."""
         if ev.target is not Target.FSDP2:  # only resharding moves, which add memory
             return False
+        if ev.selective and self.fine_atoms is not self.atoms:  # a group inside a block drops its op-level
+            return True  # checkpointing (``with_checkpointing``): finer groups may hold more, no floor to test
         plan = frugal_plan(ev, self.fine_atoms)
         return plan is not None and ev.fits(ev.evaluate(plan, "frugal"))
 
