@@ -305,3 +305,27 @@ def test_a_routed_moe_block_is_the_block_not_its_experts(factory: str, block: st
     tr = record(model, inputs)
     assert tr.index.block_class == block
     assert all(tr.modules[m].cls == block for m in tr.index.block_instances)
+
+
+def test_the_host_line_adds_up_and_names_the_waits_where_the_host_reads_values():
+    """The host line's terms still sum to the host time the engine charged (its waits for the GPU are no work of
+    its own: they were counted in it once), and it says how often the host waits."""
+    from fsdp_planner.cli.render import host_line
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.planners.classic import ModuleWrapPolicy
+    from fsdp_planner.sim.context import SimContext
+    from fsdp_planner.sim.host_work import host_work
+    from fsdp_planner.sim.simulate import simulate
+
+    with torch.device("meta"):
+        model, inputs = rm.routed_lm()
+    tr = record(model, inputs)
+    plan = ModuleWrapPolicy(["RoutedBlock"]).build(tr, "routed_lm")
+    cluster = parse_cluster("h100:64")
+    ctx = SimContext(tr, cluster)
+    report, work = simulate(tr, plan, context=ctx), host_work(ctx, plan)
+    o = cluster.overhead
+    total = work.hooks * o.hook_seconds + work.params * o.param_seconds + work.ops * o.op_seconds
+    assert total == pytest.approx(report.host_time, rel=1e-9)
+    assert work.waits == 64 and report.host_wait > 0
+    assert "the host waits for the GPU 64 times to read an op's output" in host_line(report, cluster, work)

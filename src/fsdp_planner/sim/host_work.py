@@ -21,6 +21,7 @@ class HostWork:
     params: float  # params per hook, summed over the hooks (a group's four hooks a step count its params once)
     module_calls: int  # calls of modules fully_shard was applied to
     ops: int  # ops launched, recomputation included (on CPU ranks the ops are the compute itself)
+    waits: int = 0  # ops whose output the host reads, recomputation included (``Event.syncs``): GPUs only
 
 
 def host_work(ctx: SimContext, plan: Plan) -> HostWork:
@@ -29,4 +30,5 @@ def host_work(ctx: SimContext, plan: Plan) -> HostWork:
     recompute = ctx.recompute(plan_checkpointing(plan))
     return HostWork(hooks=len(sched.hooks), params=sum(len(groups[g].params) for _, g in sched.hooks) / 4,
                     module_calls=len(state_hook_calls(ctx.trace, plan)),
-                    ops=round(launches_through(ctx.trace)[-1]) + sum(r.ops for r in recompute.values()))
+                    ops=round(launches_through(ctx.trace)[-1]) + sum(r.ops for r in recompute.values()),
+                    waits=len(ctx.trace.index.host_syncs) + sum(r.syncs for r in recompute.values()))
