@@ -103,31 +103,17 @@ def hooked_modules(modules: Sequence[str], parents: Mapping[str, Sequence[str]])
     if len(modules) == 1:
         return list(modules)
     listed = set(modules)
-    return [m for m in modules if not _below_any(m, parents, listed)]
+    return [m for m in modules if not dag_ancestors(m, parents) & listed]
 
 
 def hooked_in(trace: Trace, modules: Sequence[str]) -> tuple[str, ...]:
     """``hooked_modules`` of a group of ``trace``'s modules, once per group (``TraceIndex.memo``): a search replays
-    the same groups plan after plan."""
+    the same groups plan after plan. (``hooked_modules`` itself goes into exported code: ``apply/export.py``.)"""
     key = ("hooked_in", tuple(modules))
     memo = trace.index.memo
     if key not in memo:
         memo[key] = tuple(hooked_modules(modules, trace.index.parents))
     return memo[key]
-
-
-def _below_any(fqn: str, parents: Mapping[str, Sequence[str]], listed: set[str]) -> bool:
-    """Whether a module of ``listed`` holds ``fqn`` below it, by any path (``dag_ancestors``, ending at the first)."""
-    seen: set[str] = set()
-    stack = list(parents.get(fqn, ()))
-    while stack:
-        a = stack.pop()
-        if a in listed:
-            return True
-        if a not in seen:
-            seen.add(a)
-            stack.extend(parents.get(a, ()))
-    return False
 
 
 def claimed_params(plan: Plan, trace: Trace) -> list[list[str]]:
