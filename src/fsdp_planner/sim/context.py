@@ -99,6 +99,7 @@ class SimContext:
         self._lines: dict[tuple[CollectiveKind, int, bool, int], LinkCost] = {}
         self._recompute: dict[tuple[Checkpointed, ...], dict[int, Recompute]] = \
             like._recompute if like is not None else {}
+        self._optimizer: float | None = None  # ``optimizer_seconds``, once asked (every plan's report asks)
         self.lower_bound = self._lower_bound()
 
     def on_mesh(self, mesh: Mesh) -> SimContext:
@@ -243,12 +244,13 @@ class SimContext:
         """The optimizer step over this rank's trainable shard (an HSDP replica's, a TP or EP rank's view), after
         the backward's last collective: on the GPU, a memory-bound pass (``optimizer_step.gpu_optimizer_seconds``);
         under ``CPUOffloadPolicy`` on the host instead, at the cluster's CPU optimizer rate."""
-        trainable = [i for i, p in enumerate(self.trace.params) if p.requires_grad]
-        numel = self.sizing.shard_numel(trainable)
-        if self.options.offload:
-            return numel / self.cluster.cpu_optimizer_rate
-        return gpu_optimizer_seconds(numel, self.options.optimizer.step_bytes, self.precision.param_bytes,
-                                     self.cluster)
+        if self._optimizer is None:
+            trainable = [i for i, p in enumerate(self.trace.params) if p.requires_grad]
+            numel = self.sizing.shard_numel(trainable)
+            self._optimizer = numel / self.cluster.cpu_optimizer_rate if self.options.offload else \
+                gpu_optimizer_seconds(numel, self.options.optimizer.step_bytes, self.precision.param_bytes,
+                                      self.cluster)
+        return self._optimizer
 
     def _lower_bound(self) -> float:
         """No plan on this mesh beats this: all compute; or every param gathered once and every grad reduced once
