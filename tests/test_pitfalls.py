@@ -291,6 +291,19 @@ def test_an_expert_skipped_without_tokens_is_an_error_and_one_called_on_an_empty
     assert "routing-skips" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("factory", ["guarded_moe", "counted_moe"])
+def test_an_expert_skipped_by_a_guard_on_its_mask_is_an_error(capsys, factory: str):
+    """A guard that reads the expert's mask before selecting its tokens (``if not mask.any()``, ``if
+    int(mask.sum()) == 0``) skips it as ``numel() == 0`` does: a new user's trial found check silent on those and
+    the gloo job aborting in a reduce-scatter. The starved step answers the first such read after the routing as
+    no token."""
+    from fsdp_planner.cli import main
+
+    assert main(["check", f"tests/fixtures/skipping_moe.py:{factory}", "--json"]) == 1
+    (skips,) = [f for f in json.loads(capsys.readouterr().out) if f["code"] == "routing-skips"]
+    assert skips["module"] == "1.experts.0" and "1.experts.1" not in skips["message"]
+
+
 @pytest.mark.integration  # ~30 s: two torchrun jobs of 2 gloo ranks
 def test_verify_says_first_that_an_expert_skipped_without_tokens_decides_parity(capsys):
     """verify of such a MoE passes or fails by what the ranks' batches route (the trial's: PASS at the default

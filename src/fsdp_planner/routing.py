@@ -80,6 +80,7 @@ class StandIn:
     starved: bool = field(default_factory=lambda: _STARVED.get())  # ``starved()``: the first routed selection
     # after each routing (the first expert's) takes nothing
     selections: int = 0  # routed selections since the last topk
+    reads: int = 0  # values read since the last topk that the stand-in answers for itself (``_value``)
     experts: int | None = None  # choices of the last topk: the experts
     per_expert: int = 1  # an expert's balanced row count at that topk
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, module) -> times
@@ -109,7 +110,7 @@ class StandIn:
             return
         if scores.dim() == 0 or scores.shape[dim] == 0:
             return
-        self.experts, self.selections = int(scores.shape[dim]), 0
+        self.experts, self.selections, self.reads = int(scores.shape[dim]), 0, 0
         tokens = scores.numel() // self.experts
         self.per_expert = max(1, math.ceil(tokens * k / self.experts * self.capacity))
         index = out[1] if packet is _aten.topk else out
@@ -163,7 +164,7 @@ class StandIn:
         if self.experts is None or n == self.experts:  # no routing, or a per-expert mask: each expert is hit
             return n
         self.selections += 1
-        if self.starved and self.selections == 1:
+        if self.starved and self.selections == 1 and not self.reads:  # (a guard read first asked for that expert)
             return 0
         return min(n, max(1, math.ceil(n / self.experts * self.capacity)))
 
@@ -202,7 +203,7 @@ class StandIn:
             n = torch.broadcast_shapes(args[0].shape, args[1].shape).numel()
             out = args[0].new_empty((self.selected(n),))
         elif packet is _aten._local_scalar_dense and _planned(args[0]):
-            out = self._value(args[0])
+            out = self._value(args[0], read=True)
         elif packet is _aten._to_copy and args[0].is_meta and kwargs.get("device") not in (None, torch.device("meta")) \
                 and not args[0].is_floating_point():
             t = args[0]
@@ -240,15 +241,23 @@ class StandIn:
         return torch.tensor([found(int(o)) for o in offsets.flatten().tolist()], dtype=dtype,
                             device=device).view(t.shape)
 
-    def _value(self, t: torch.Tensor) -> bool | int | float:
+    def _value(self, t: torch.Tensor, read: bool = False) -> bool | int | float:
+        """The value the stand-in gives ``t`` (one element): the one it placed there, else a mask's element true
+        and a count an expert's rows. ``read``: the model reads it (``.item()``, ``bool()``, ``int()``); when
+        ``starved``, the first such read after each routing of a value not placed there (a guard such as ``if
+        mask.any()`` or ``if int(mask.sum())``, which counts the first expert's tokens) answers none."""
         found = self._recalled(t) if t.numel() == 1 else None
         if found is not None and not t.is_floating_point() and not t.is_complex():
             return found(t.storage_offset())
-        if t.dtype == torch.bool:
-            return True
-        if not t.is_floating_point() and not t.is_complex():
-            return self.per_expert
-        return 0.0
+        if t.is_floating_point() or t.is_complex():
+            return 0.0
+        if read and self.experts is not None:
+            self.reads += 1
+            # the first question asked after a routing is about the first expert: a guard read before any selection,
+            # or right after the first (``torch.where`` then ``if not mask.any(): continue``)
+            if self.starved and self.reads == 1 and self.selections <= 1:
+                return False if t.dtype == torch.bool else 0
+        return True if t.dtype == torch.bool else self.per_expert
 
     def note(self) -> str | None:
         """One line naming what stood in, where; None when nothing did."""
