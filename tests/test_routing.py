@@ -328,4 +328,5 @@ def test_the_host_line_adds_up_and_names_the_waits_where_the_host_reads_values()
     total = work.hooks * o.hook_seconds + work.params * o.param_seconds + work.ops * o.op_seconds
     assert total == pytest.approx(report.host_time, rel=1e-9)
     assert work.waits == 64 and report.host_wait > 0
-    assert "the host waits for the GPU 64 times to read an op's output" in host_line(report, cluster, work)
+    line = host_line(report, cluster, work)
+    assert "the host waits for the GPU 64 times (64 in forward) to read an op's output" in line

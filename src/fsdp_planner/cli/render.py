@@ -597,8 +597,8 @@ def host_line(r: StepReport, cluster: Cluster, work: HostWork) -> str:
     verdict = (f"the host is the bottleneck: the GPU waits {fmt_time(r.host_wait)} for it, {share:.0%} of the step"
                if share >= 0.05 else f"hidden behind the GPU's work: it waits {fmt_time(r.host_wait)} for the host")
     if work.waits:  # the host's lead is gone after each: the GPU then waits for what it launches next
-        verdict += (f"; the host waits for the GPU {fmt_count(work.waits, 'time')} to read an op's output (a "
-                    "router's token counts), its lead gone each time")
+        verdict += (f"; the host waits for the GPU {fmt_count(work.waits, 'time')} ({work.forward_waits:,} in "
+                    "forward) to read an op's output (a router's token counts), its lead gone each time")
     return f"host: {' + '.join(terms)} = {fmt_time(r.host_time)} of the {fmt_time(r.step_time)} step ({verdict})"
 
 

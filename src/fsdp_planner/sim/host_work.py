@@ -22,6 +22,7 @@ class HostWork:
     module_calls: int  # calls of modules fully_shard was applied to
     ops: int  # ops launched, recomputation included (on CPU ranks the ops are the compute itself)
     waits: int = 0  # ops whose output the host reads, recomputation included (``Event.syncs``): GPUs only
+    forward_waits: int = 0  # of those, in forward (the ones ``check``'s forward-prefetch answer counts)
 
 
 def host_work(ctx: SimContext, plan: Plan) -> HostWork:
@@ -31,4 +32,5 @@ def host_work(ctx: SimContext, plan: Plan) -> HostWork:
     return HostWork(hooks=len(sched.hooks), params=sum(len(groups[g].params) for _, g in sched.hooks) / 4,
                     module_calls=len(state_hook_calls(ctx.trace, plan)),
                     ops=round(launches_through(ctx.trace)[-1]) + sum(r.ops for r in recompute.values()),
-                    waits=len(ctx.trace.index.host_syncs) + sum(r.syncs for r in recompute.values()))
+                    waits=len(ctx.trace.index.host_syncs) + sum(r.syncs for r in recompute.values()),
+                    forward_waits=sum(1 for i in ctx.trace.index.host_syncs if not ctx.trace.events[i].backward))
