@@ -31,7 +31,7 @@ class Reason(Enum):
 
 _DESCRIPTIONS = {
     Reason.FIXED: "no boundary to move: the last group, a pinned module (tied, reused or read outside its module), "
-                  "or modules the root keeps between this group and the next (auto found them faster there)",
+                  "or modules the root holds between this group and the next",
     Reason.MEMORY: "a faster alternative exists but exceeds the memory budget",
     Reason.TIE: "the best alternative simulates equally fast and needs no less memory: nothing gained by moving",
     Reason.UNCONVERGED: "a one-step move is faster and fits: the search's effort ran out before it tried it "
