@@ -330,3 +330,35 @@ def test_the_host_line_adds_up_and_names_the_waits_where_the_host_reads_values()
     assert work.waits == 64 and report.host_wait > 0
     line = host_line(report, cluster, work)
     assert "the host waits for the GPU 64 times (64 in forward) to read an op's output" in line
+
+
+class _CountedSplit(torch.nn.Module):
+    """Experts fed by ``torch.split`` of the tokens sorted by expert, sizes from each expert's token count."""
+
+    def __init__(self, bincount: bool) -> None:
+        super().__init__()
+        self.router, self.bincount = torch.nn.Linear(rm.DIM, rm.EXPERTS, bias=False), bincount
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(rm.DIM, rm.DIM) for _ in range(rm.EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = self.router(x).topk(rm.TOP_K, -1)[1].reshape(-1)
+        counts = torch.bincount(ids, minlength=rm.EXPERTS) if self.bincount else \
+            torch.nn.functional.one_hot(ids, rm.EXPERTS).sum(0)
+        ordered = x.repeat_interleave(rm.TOP_K, 0)[ids.argsort()]
+        return torch.cat([e(chunk) for e, chunk in zip(self.experts, ordered.split(counts.tolist()), strict=True)])
+
+
+def test_a_bincount_of_expert_ids_stands_in_as_their_one_hot_sum():
+    """``torch.bincount(ids, minlength=E)``, a common way to count each expert's tokens, has no meta kernel: it
+    stood in for nothing and the trace failed (a new user's trial). With ``minlength`` its size is fixed: each
+    expert's balanced count, as the one-hot sum gives, and the host waits for it on a GPU."""
+    traces = {}
+    for bincount in (False, True):
+        with torch.device("meta"):
+            model, x = _CountedSplit(bincount), torch.randn(64, rm.DIM)
+        traces[bincount] = record(model, (x,))
+    flops = {k: [e.flops for e in tr.events if e.flops and not e.backward and e.module.startswith("experts.")]
+             for k, tr in traces.items()}
+    assert flops[True] == flops[False] and len(flops[True]) == rm.EXPERTS
+    assert "aten.bincount" in traces[True].notes[0]
+    assert any(traces[True].events[i].module == "" for i in traces[True].index.host_syncs)

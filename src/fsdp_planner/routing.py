@@ -57,6 +57,7 @@ _SPELLED = {
     "aten.masked_select": "aten.masked_select",
     "aten._local_scalar_dense": "aten._local_scalar_dense (.item(), bool(), int())",
     "aten._to_copy": "aten._to_copy (.tolist(), .cpu() of a meta tensor)",
+    "aten.bincount": "aten.bincount (an expert's token count, minlength given)",
 }
 # The only ops the stand-in acts on: those it stands in for (``StandIn.run``) and the routing it notes
 # (``StandIn.saw``). Every other op (a ReLU's backward, ``where``, a matmul) reads no values: the op recorder runs
@@ -64,7 +65,7 @@ _SPELLED = {
 _COMPARISONS = {_aten.eq: lambda a, b: a == b, _aten.ne: lambda a, b: a != b, _aten.lt: lambda a, b: a < b,
                 _aten.le: lambda a, b: a <= b, _aten.gt: lambda a, b: a > b, _aten.ge: lambda a, b: a >= b}
 _INTERCEPTED = frozenset({_aten.nonzero, _aten.index, _aten.masked_select, _aten._local_scalar_dense, _aten._to_copy,
-                          _aten.topk, _aten.argmax, *_COMPARISONS})
+                          _aten.bincount, _aten.topk, _aten.argmax, *_COMPARISONS})
 # The errors PyTorch raises for a data-dependent op on tensors without data (meta, or fake without a shape env).
 _REFUSALS = ("DynamicOutputShapeException", "DataDependentOutputException")
 _REFUSAL_TEXTS = ("register_meta function for torch.nonzero", "cannot be called on meta tensors",
@@ -204,6 +205,8 @@ class StandIn:
             out = args[0].new_empty((self.selected(n),))
         elif packet is _aten._local_scalar_dense and _planned(args[0]):
             out = self._value(args[0], read=True)
+        elif packet is _aten.bincount and _planned(args[0]):
+            out = self._bincount(args[0], *args[1:], **kwargs)
         elif packet is _aten._to_copy and args[0].is_meta and kwargs.get("device") not in (None, torch.device("meta")) \
                 and not args[0].is_floating_point():
             t = args[0]
@@ -229,6 +232,17 @@ class StandIn:
         out = torch.zeros((rows, mask.dim()), dtype=torch.long, device=mask.device)
         if mask.dim():
             self._remember(out, lambda o: _unravel(o // len(shape) * n // rows, shape)[o % len(shape)])
+        return out
+
+    def _bincount(self, ids: torch.Tensor, weights: Any = None, minlength: int = 0) -> Any:
+        """``torch.bincount(ids, minlength=m)`` of expert ids, as a router counts each expert's tokens: m counts of
+        an equal share (an expert's rows where m is the routing's experts), the values a later ``.tolist()`` reads.
+        Without ``minlength`` the size is the largest id's, and weighted counts are no token counts: not stood in."""
+        if weights is not None or not minlength or ids.is_floating_point():
+            return NOT_HANDLED
+        count = self.per_expert if self.experts == minlength else -(-ids.numel() // minlength)
+        out = torch.zeros((minlength,), dtype=torch.long, device=ids.device)
+        self._remember(out, lambda o, c=count: c)
         return out
 
     def _copied(self, t: torch.Tensor, dtype: torch.dtype, device: Any) -> torch.Tensor:
@@ -398,8 +412,9 @@ DATA_DEPENDENT_OPS = frozenset({"aten.nonzero", "aten.masked_select", "aten.inde
                                 "aten._to_copy", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive",
                                 "aten.bincount", "aten.histc", "aten.repeat_interleave", "aten.argwhere"})
 WAY_OUT = ("depends on tensor values, which a planned step does not have, and the balanced-routing stand-in does not "
-           "cover it: write the router with a fixed capacity (tokens x top_k / experts rows per expert, e.g. topk "
-           "then index_select on sorted indices), or compute the value in the factory rather than in forward")
+           "cover it (torch.bincount it covers with minlength given): write the router with a fixed capacity (tokens "
+           "x top_k / experts rows per expert, e.g. topk then index_select on sorted indices), or compute the value "
+           "in the factory rather than in forward")
 
 
 def data_dependent(e: BaseException, op: str | None) -> bool:
