@@ -451,6 +451,9 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
     if own:
         fix += ("; " if fix else "") + "params registered on the root module itself can only be managed by the " \
                                        "root: move them into a submodule to shard them"
+    if plan.policy.startswith("auto(") and movable:  # auto tries them in groups kept gathered (prefer_empty_root)
+        fix += ("; this plan is auto's: its search tried them in groups of their own and found that slower or "
+                "larger than keeping them on the root")
     return [Finding(Severity.WARNING, Code.ROOT_PARAMS,
                     f"the root group manages {fmt_count(len(ps), 'param')} ({fmt_bytes(nbytes)} unsharded"
                     f"{' on each TP rank' if tp is not None else ''}) of "
