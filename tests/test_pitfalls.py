@@ -116,8 +116,8 @@ def test_root_params_with_their_bytes():
     # could not tell whether to believe check or auto)
     auto = make_plan(tr, [[f"layers.{i}"] for i in range(4)], policy="auto(h100:8, 70.8 GiB)")
     [f] = [f for f in plan_findings(tr, auto) if f.code is Code.ROOT_PARAMS]
-    assert f.fix.endswith("this plan is auto's: its search tried them in groups of their own and found that slower "
-                          "or larger than keeping them on the root")
+    assert f.fix.endswith("this plan is auto's, which keeps params on the root only where its search found them "
+                          "grouped slower, larger or unable to run")
     # under TP 2 each rank holds half of the embedding and of the output head, the norm whole (check said the
     # whole model's bytes where plan said each rank's: a new user's trial)
     from fsdp_planner.fmt import fmt_bytes

@@ -452,8 +452,8 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
         fix += ("; " if fix else "") + "params registered on the root module itself can only be managed by the " \
                                        "root: move them into a submodule to shard them"
     if plan.policy.startswith("auto(") and movable:  # auto tries them in groups kept gathered (prefer_empty_root)
-        fix += ("; this plan is auto's: its search tried them in groups of their own and found that slower or "
-                "larger than keeping them on the root")
+        fix += ("; this plan is auto's, which keeps params on the root only where its search found them grouped "
+                "slower, larger or unable to run")
     return [Finding(Severity.WARNING, Code.ROOT_PARAMS,
                     f"the root group manages {fmt_count(len(ps), 'param')} ({fmt_bytes(nbytes)} unsharded"
                     f"{' on each TP rank' if tp is not None else ''}) of "
