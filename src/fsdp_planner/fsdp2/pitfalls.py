@@ -439,7 +439,17 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
     local = [local_param(p, param_style(p, styles), tp.degree) if tp is not None else p for p in ps]
     nbytes = sum(p.numel * (itemsize or p.itemsize) for p in local)
     owners = list(dict.fromkeys(o for p in ps for o in p.owners[:1]))
-    own = [o for o in owners if o == ROOT]
+    return [Finding(Severity.WARNING, Code.ROOT_PARAMS,
+                    f"the root group manages {fmt_count(len(ps), 'param')} ({fmt_bytes(nbytes)} unsharded"
+                    f"{' on each TP rank' if tp is not None else ''}) of "
+                    f"{fmt_modules([_path(o) for o in owners])}: FSDP2 all-gathers them at the root's pre-forward and, "
+                    f"the root not resharding after forward, keeps them on every rank until the end of backward",
+                    _root_fix(trace, plan, ps, ROOT in owners), owners[0])]
+
+
+def _root_fix(trace: Trace, plan: Plan, ps: list[ParamInfo], on_root: bool) -> str:
+    """How to take ``ps`` off the root group: groups of the modules holding them (a tied param's modules in one),
+    and what cannot move (``on_root``: params registered on the root module itself)."""
     # a param read outside its module's calls (a parent's method reading head.proj.weight) is sharded-read unless
     # the group is a module whose calls hold every read: the lowest one holding the owner and its readers
     movable = [m for m in dict.fromkeys(_holding(trace, p) for p in ps if p.owners[0] != ROOT) if m != ROOT]
@@ -448,18 +458,13 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
     for p in ps:
         if len(p.owners) > 1 and ROOT not in p.owners:  # a tied param: every module holding it in one group
             fix += f"; {p.fqn} is tied: fully_shard([{', '.join(_name(o) for o in p.owners)}])"
-    if own:
+    if on_root:
         fix += ("; " if fix else "") + "params registered on the root module itself can only be managed by the " \
                                        "root: move them into a submodule to shard them"
     if plan.policy.startswith("auto(") and movable:  # auto tries them in groups kept gathered (prefer_empty_root)
         fix += ("; this plan is auto's, which keeps params on the root only where its search found them grouped "
                 "slower, larger or unable to run")
-    return [Finding(Severity.WARNING, Code.ROOT_PARAMS,
-                    f"the root group manages {fmt_count(len(ps), 'param')} ({fmt_bytes(nbytes)} unsharded"
-                    f"{' on each TP rank' if tp is not None else ''}) of "
-                    f"{fmt_modules([_path(o) for o in owners])}: FSDP2 all-gathers them at the root's pre-forward and, "
-                    f"the root not resharding after forward, keeps them on every rank until the end of backward",
-                    fix, owners[0])]
+    return fix
 
 
 def _holding(trace: Trace, p: ParamInfo) -> str:
