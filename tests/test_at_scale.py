@@ -36,6 +36,22 @@ def test_a_full_size_model_s_groups_carry_onto_the_toy_by_module_name(toy):
     assert any("reshard_after_forward=8" in n for n in notes)
 
 
+def test_a_full_size_plan_s_prefetch_lists_follow_their_groups_onto_the_toy(toy):
+    """Auto's plans prefetch explicitly: each list names groups by position, renumbered as the groups carry over;
+    a target among the blocks the toy lacks is left out, said once (they were all dropped before)."""
+    big = traced("llama3-8b")
+    plan = make_plan(big, [["tok_embeddings"], *([f"layers.{i}"] for i in range(32)), ["norm", "output"]])
+    plan = plan.with_group(1, forward_prefetch=[2, 3]).with_group(33, backward_prefetch=[32, 4])
+    plan = plan.with_group(4, backward_prefetch=[3, 2]).with_group(0, forward_prefetch=[33])
+    out, notes = onto_job(plan, big, toy, 2, "mapped")
+    check_plan_matches(out, toy)
+    assert list(out.groups[1].forward_prefetch) == [2, 3]  # layers.0 prefetches layers.1 and 2, as planned
+    assert list(out.groups[4].backward_prefetch) == [3, 2]
+    assert list(out.groups[5].backward_prefetch) == [4]  # norm/output: layers.31 left out, layers.3 kept
+    assert list(out.groups[0].forward_prefetch) == [5]  # the embedding's target, norm/output, is group 5 now
+    assert sum("prefetch" in n for n in notes) == 1
+
+
 def test_the_job_s_own_plan_keeps_its_groups_prefetch_and_sub_groups_that_fit(toy):
     plan = make_plan(toy, [[f"layers.{i}"] for i in range(4)], reshard=[True, 2, 4, False])
     plan = plan.replace(mesh=Mesh(2, 4))

@@ -10,7 +10,7 @@ model of the same family (``--plan-model``), and this module carries that groupi
 - ``reshard_after_forward``: kept, but an int sub-group size that does not divide the job's ranks becomes True
   (reshard in full: the intra-node sub-group has no counterpart on a few CPU ranks);
 - the HSDP layout: the job runs plain FSDP over its ranks (the replicas' all-reduce is not proven);
-- prefetch lists: kept for the job's own model's plan, left out for another model's (they name groups by position);
+- prefetch lists: kept, their targets renumbered as the groups carried over are (those of groups left out left out);
 - activation checkpointing: the modules the job's model has.
 What is proven is the grouping's mechanics (claims, collectives and their bytes, training parity), not its speed.
 """
@@ -22,7 +22,7 @@ from dataclasses import replace
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.claim import make_plan
-from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
 from fsdp_planner.trace.records import Trace
 
 
@@ -37,9 +37,9 @@ def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> 
     if planned is job:  # the plan's own groups: only the layout and the sub-group sizes change
         groups = [replace(g, reshard_after_forward=r) for g, r in zip(plan.groups, reshard, strict=True)]
         return replace(plan, groups=groups, mesh=None, policy=label), notes
-    kept = [([m for m in g.modules if m in job.modules], r) for g, r in zip(plan.inner_groups, reshard[:-1],
-                                                                            strict=True)]
-    kept = [(ms, r) for ms, r in kept if ms]
+    kept = [(i, [m for m in g.modules if m in job.modules], r)
+            for i, (g, r) in enumerate(zip(plan.inner_groups, reshard[:-1], strict=True))]
+    kept = [(i, ms, r) for i, ms, r in kept if ms]
     if not kept:
         groups = fmt_count(len(plan.inner_groups), "group")
         raise PlannerError(f"no group of the plan made for the larger model ({groups}) names a module this model "
@@ -49,12 +49,25 @@ def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> 
     if dropped:
         notes.append(f"{dropped} of the plan's {len(plan.inner_groups)} groups below its root hold only modules this "
                      "model does not have (deeper blocks) and are left out")
-    if any(g.forward_prefetch or g.backward_prefetch for g in plan.groups):
-        notes.append("the plan's explicit prefetch lists are left out (they name groups by position)")
-    out = make_plan(job, [ms for ms, _ in kept], [r for _, r in kept], policy=label, model=plan.model)
-    out = replace(out, groups=[*out.inner_groups, replace(out.root, reshard_after_forward=reshard[-1])],
+    out = make_plan(job, [ms for _, ms, _ in kept], [r for _, _, r in kept], policy=label, model=plan.model)
+    at = {old: new for new, (old, _, _) in enumerate(kept)} | {len(plan.inner_groups): len(kept)}  # root: last
+    groups = [_prefetching(g, plan.groups[old], at, notes) for g, (old, _, _) in zip(out.inner_groups, kept,
+                                                                                      strict=True)]
+    out = replace(out, groups=[*groups, _prefetching(replace(out.root, reshard_after_forward=reshard[-1]),
+                                                     plan.root, at, notes)],
                   activation_checkpointing=[m for m in plan.activation_checkpointing if m in job.modules])
     return out, notes
+
+
+def _prefetching(group: Group, planned: Group, at: dict[int, int], notes: list[str]) -> Group:
+    """``group`` with the prefetch lists of the group it carries (``planned``), its targets renumbered by ``at``
+    (old index -> new); targets left out with their groups are noted once."""
+    lists = []
+    for targets in (planned.forward_prefetch, planned.backward_prefetch):
+        lists.append(tuple(at[j] for j in targets if j in at))
+        if len(lists[-1]) < len(targets) and not any("prefetch" in n for n in notes):
+            notes.append("the prefetch lists' targets among the groups left out are left out too")
+    return replace(group, forward_prefetch=lists[0], backward_prefetch=lists[1])
 
 
 def _reshard_on(raf: ReshardAfterForward, nproc: int, group: int, notes: list[str]) -> ReshardAfterForward:
