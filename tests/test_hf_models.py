@@ -82,6 +82,10 @@ SHIPPED_PARAMS = {
     "qwen3-235b-a22b": 235_093_634_560,
     "gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672, "moonlight-16b-a3b": 15_960_108_544,
     "phi3-mini": 3_821_079_552, "phi4": 14_659_507_200,  # the model cards' 3.8B and 14.7B
+    # Qwen3.5's text decoders, built from torchtitan's qwen3_5 flavour numbers (the model cards' totals count the
+    # vision encoder too)
+    "qwen3.5-9b": 8_953_803_264, "qwen3.5-27b": 26_895_998_464, "qwen3.5-35b-a3b": 34_660_610_688,
+    "qwen3.5-397b-a17b": 396_346_350_336, "qwen3-next-80b-a3b": 79_674_391_296,  # its card's "80B in total"
     # torchtitan's flavours (b5bcd76): the params of torchtitan's own build of each, on meta
     "titan-qwen3-debugmodel": 31_987_968, "titan-qwen3-debugmodel-moe": 315_758_848,
     "titan-deepseek-v3-debugmodel": 33_014_016, "titan-deepseek-v3-16b": 15_706_484_224,

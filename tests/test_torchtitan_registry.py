@@ -1138,3 +1138,18 @@ def test_another_save_list_than_a_registry_jobs_is_said(capsys):
                      "--ac-policy", policy]) == 0
         assert ("simulates the job's SelectiveAC (and op-level edits of it) with another save list"
                 in capsys.readouterr().err) == said
+
+
+def test_a_qwen3_5_job_is_planned_on_its_text_decoder_when_asked(capsys):
+    """torchtitan's qwen3_5 trains Qwen3.5's multimodal model; the planner builds its text decoder (hf:qwen3.5-*):
+    refused naming it, then planned with it given as MODEL, the vision encoder's absence said."""
+    pytest.importorskip("transformers")
+    spec = str(FIXTURES / "qwen3_5/config_registry.py:qwen35_9b")
+    assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100:8"]) == 2
+    err = capsys.readouterr().err
+    assert "is multimodal" in err and "give hf:qwen3.5-9b as MODEL" in err, err
+    assert main(["simulate", "hf:qwen3.5-9b", "--from-torchtitan", spec, "--cluster", "h100:64", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "MODEL hf:qwen3.5-9b is the text decoder of the torchtitan job's multimodal model" in out.err
+    assert "linear attention (24 gated DeltaNet calls)" in out.err
+    assert json.loads(out.out)["step_time"] > 0

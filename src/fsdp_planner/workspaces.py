@@ -13,6 +13,8 @@ ranks). The CPU kernels of CPU ranks (``Engine.HOST``) allocate none of them.
   vocab-parallel embedding at TP 8 (16,384 tokens, dim 16,384): a 1,126.4 MiB block alive at the step's peak
   (``benchmarks/gpu_2d.md``), 18,022 x 16,384 x 4 bytes. Its int64 index arrays (a few times ``numel`` x 8 bytes)
   are left out.
+- flash-linear-attention's gated delta rule backward (``linear_attention.py``): the chunk states and their gradients
+  it makes again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import torch
 
+from fsdp_planner.linear_attention import backward_workspace
+
 EMBEDDING_ATOMIC_MAX_INDICES = 3072  # at most this many indices (and no scale_grad_by_freq): one kernel, no buffer
 EMBEDDING_ROWS_PER_PARTIAL = 10  # NROWS_PER_THREAD
 
@@ -28,6 +32,8 @@ EMBEDDING_ROWS_PER_PARTIAL = 10  # NROWS_PER_THREAD
 def workspace_bytes(func: Any, args: tuple, kwargs: dict | None = None) -> int:
     """Bytes the CUDA kernel of ``func`` on these arguments allocates besides its outputs (module docstring);
     0 for every op this module does not name."""
+    if func is torch.ops.fsdp_planner.chunk_gated_delta_rule_backward.default:
+        return backward_workspace(args[0], args[1])
     if func is not torch.ops.aten.embedding_dense_backward.default:
         return 0
     names = ("grad_output", "indices", "num_weights", "padding_idx", "scale_grad_by_freq")

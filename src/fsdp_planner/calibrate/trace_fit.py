@@ -60,9 +60,18 @@ from fsdp_planner.sim.float8 import Float8Step, float8_step
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.recompute import checkpointed_calls
 from fsdp_planner.sim.simulate import StepReport, rank_step, simulate
-from fsdp_planner.trace.events import ATTENTION_KERNELS, KERNEL_EP_ALL_TO_ALL, KERNEL_OTHER, TP_KERNELS
+from fsdp_planner.trace.events import (
+    ATTENTION_KERNELS,
+    KERNEL_EP_ALL_TO_ALL,
+    KERNEL_LINEAR_ATTENTION,
+    KERNEL_OTHER,
+    TP_KERNELS,
+)
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
+
+# the kernels timed by the attention efficiency the fit fits (linear attention's at a share of it)
+ATTENTION_CLASS = (*ATTENTION_KERNELS, KERNEL_LINEAR_ATTENTION)
 
 # passes of the efficiencies' fit, at most: each solves the class sums for the ops' binding terms of the pass before
 # (a small matmul moving more bytes than it computes is bound by the memory efficiency, not the matmul one)
@@ -157,7 +166,7 @@ def simulated_classes(trace: Trace) -> np.ndarray:
     as a trace's cuDNN/CUTLASS kernels and CPU ``aten::conv2d`` ops are read (``kineto.op_class``)."""
     kernel = trace.index.op_kernel
     matmul = (kernel > 0) | ((kernel == KERNEL_OTHER) & (trace.index.op_flops > 0))
-    classes = np.where(matmul, 0, np.where(np.isin(kernel, ATTENTION_KERNELS), 1, 2))
+    classes = np.where(matmul, 0, np.where(np.isin(kernel, ATTENTION_CLASS), 1, 2))
     return np.where(np.isin(kernel, (*TP_KERNELS, KERNEL_EP_ALL_TO_ALL)), NO_CLASS, classes)
 
 
@@ -217,7 +226,7 @@ def bound_terms(ops: RankOps, cluster: Cluster, options: SimOptions) -> np.ndarr
     flops_time = kernel_flops(index) / (peaks * flop_efficiency(kernel, c)) * stretch
     scale = options.precision.compute_bytes / traced_itemsize(trace)
     bytes_time = fused_nbytes(trace) * (scale / (gpu.hbm_bandwidth * c.memory_efficiency)) * stretch  # as op_times
-    factor = np.where(bytes_time > flops_time, 2, np.where(np.isin(kernel, ATTENTION_KERNELS), 1, 0))
+    factor = np.where(bytes_time > flops_time, 2, np.where(np.isin(kernel, ATTENTION_CLASS), 1, 0))
     efficiency = np.array([c.matmul_efficiency, c.attention_efficiency, c.memory_efficiency])
     unit = np.maximum(flops_time, bytes_time) * efficiency[factor] * ops.runs
     classes = simulated_classes(trace)

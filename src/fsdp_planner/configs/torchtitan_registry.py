@@ -46,15 +46,19 @@ TITAN_MODELS = {("llama3", "debugmodel"): "llama3-debugmodel", ("llama3", "1B"):
                 ("deepseek_v3", "236B"): "hf:titan-deepseek-v3-236b",
                 ("gpt_oss", "debugmodel"): "hf:titan-gpt-oss-debugmodel", ("gpt_oss", "20b"): "hf:gpt-oss-20b",
                 ("gpt_oss", "120b"): "hf:gpt-oss-120b", ("kimi_k2_7", "moonlight-16B-A3B"): "hf:moonlight-16b-a3b"}
+# torchtitan's multimodal flavours whose text decoder is a shipped transformers config (models/hf.py): not the job's
+# model (its vision encoder is left out), so MODEL must name it
+TITAN_DECODERS = {("qwen3_5", f): f"hf:qwen3.5-{f.lower()}" for f in ("9B", "27B", "35B-A3B", "397B-A17B")}
 # transformers runs these models' attention eagerly (no SDPA path: gpt-oss's sinks), saving the seq x seq scores;
 # torchtitan runs them with flex or varlen attention, fused, O(seq) saved: planned with --attention flash
 TITAN_FUSED_ATTENTION = frozenset({"hf:titan-gpt-oss-debugmodel", "hf:gpt-oss-20b", "hf:gpt-oss-120b"})
 
 
-def titan_model(name: str, flavor: str) -> str | None:
-    """The model fsdp-planner builds for torchtitan's ``name`` / ``flavor`` (None: none)."""
+def titan_model(name: str, flavor: str, models: dict[tuple[str, str], str] = TITAN_MODELS) -> str | None:
+    """The model fsdp-planner builds for torchtitan's ``name`` / ``flavor`` (None: none); of ``TITAN_DECODERS``, the
+    text decoder of a multimodal flavour."""
     key = (name.strip().lower(), flavor.strip().lower())
-    return next((m for (n, f), m in TITAN_MODELS.items() if (n, f.lower()) == key), None)
+    return next((m for (n, f), m in models.items() if (n, f.lower()) == key), None)
 
 SPEC = re.compile(r"^(?P<where>.+):(?P<function>[A-Za-z_]\w*)$", re.S)
 MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")

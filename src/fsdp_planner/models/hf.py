@@ -36,6 +36,7 @@ import torch.nn as nn
 
 import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
+from fsdp_planner import linear_attention
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.limits import check_config, check_field
 from fsdp_planner.patching import TORCHAO_LOGGERS, quiet_loggers
@@ -104,6 +105,21 @@ SHIPPED: dict[str, ShippedConfig] = {
     "phi3-mini": ShippedConfig("Phi-3 mini 3.8B, fused QKV and gate-up projections (microsoft/Phi-3-mini-4k-instruct)",
                                1, 4096),
     "phi4": ShippedConfig("Phi-4 14B, fused QKV and gate-up projections (microsoft/phi-4)", 1, 4096),
+    # Qwen3.5's text decoders (transformers' qwen3_5_text and qwen3_5_moe_text: the released models' text_config, their
+    # vision encoders left out), as torchtitan's qwen3_5 flavours give their numbers (torchtitan/models/qwen3_5/
+    # __init__.py): three gated DeltaNet layers to each attention layer, the linear attention FLA's kernels
+    "qwen3.5-9b": ShippedConfig("Qwen3.5 9B text decoder, 3 gated DeltaNet layers to each attention layer "
+                                "(Qwen/Qwen3.5-9B)", 1, 4096),
+    "qwen3.5-27b": ShippedConfig("Qwen3.5 27B text decoder, 3 gated DeltaNet layers to each attention layer "
+                                 "(Qwen/Qwen3.5-27B)", 1, 4096),
+    "qwen3.5-35b-a3b": ShippedConfig("Qwen3.5 35B-A3B MoE text decoder, gated DeltaNet, 256 experts top-8, a shared "
+                                     "expert (Qwen/Qwen3.5-35B-A3B)", 1, 4096),
+    "qwen3.5-397b-a17b": ShippedConfig("Qwen3.5 397B-A17B MoE text decoder, gated DeltaNet, 512 experts top-10, a "
+                                       "shared expert (Qwen/Qwen3.5-397B-A17B)", 1, 4096),
+    # Qwen3-Next: transformers' Qwen3NextConfig defaults, the released model's numbers (every layer an MoE layer)
+    "qwen3-next-80b-a3b": ShippedConfig("Qwen3-Next 80B-A3B MoE, 3 gated DeltaNet layers to each attention layer, "
+                                        "512 experts top-10, a shared expert (Qwen/Qwen3-Next-80B-A3B-Instruct)", 1,
+                                        4096),
     "moonlight-16b-a3b": ShippedConfig("Moonlight 16B-A3B MoE, MLA, 64 experts top-6 (moonshotai/Moonlight-16B-A3B)",
                                        1, 4096),
     # torchtitan's own flavours (torchtitan/models/*/__init__.py at b5bcd76, BSD-3-Clause), written as transformers
@@ -438,8 +454,8 @@ def unpacked_inputs() -> None:
 def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str | None = None) -> nn.Module:
     """The model of a config (on the current default device: meta while planning), fp32 params, training mode,
     no KV cache unless ``overrides`` ask for one. Experts layers take the token-balanced routing while planned
-    (``hf_experts``). ``attention`` (``--attention``) sets the attention implementation; None leaves
-    transformers' own choice."""
+    (``hf_experts``), gated DeltaNet layers flash-linear-attention's kernels (``linear_attention``). ``attention``
+    (``--attention``) sets the attention implementation; None leaves transformers' own choice."""
     config = _config(with_overrides(data, overrides))
     unpacked_inputs()
     if attention == "flash":
@@ -467,6 +483,7 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
                            "package (a GPU's): plan it with --attention sdpa (the default) or eager") from None
     if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
         model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
+    linear_attention.install(model)
     return model.train()
 
 

@@ -30,7 +30,13 @@ from fsdp_planner.configs.job_config import (
     edit_choices,
     world_of,
 )
-from fsdp_planner.configs.torchtitan_registry import PLAN_NAME, TITAN_FUSED_ATTENTION, TITAN_MODELS
+from fsdp_planner.configs.torchtitan_registry import (
+    PLAN_NAME,
+    TITAN_DECODERS,
+    TITAN_FUSED_ATTENTION,
+    TITAN_MODELS,
+    titan_model,
+)
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE, parse_cluster
@@ -126,17 +132,25 @@ def _model(m: _Merge) -> None:
     cfg, model = m.cfg, m.values["model"]
     if cfg.kind != TORCHTITAN:
         return
+    decoder = _decoder(cfg.keys.get("model.name"), cfg.keys.get("model.flavor"))
     if model is not None:
         if cfg.model is not None and model != cfg.model:
             raise PlannerError(f"MODEL '{model}' is not the torchtitan job's model ({cfg.model_label} is "
                                f"{cfg.model}): leave MODEL out, or give the config's model")
-        if cfg.model is None and (cfg.keys.get("model.name") or cfg.keys.get("model.flavor")):
+        if model == decoder:
+            m.note(f"MODEL {model} is the text decoder of the torchtitan job's multimodal model {cfg.model_label}: "
+                   "its vision encoder's params and work are left out")
+        elif cfg.model is None and (cfg.keys.get("model.name") or cfg.keys.get("model.flavor")):
             m.note(f"MODEL {shown_json(model)} stands for the torchtitan job's model {cfg.model_label}")
         _attention(m)
         return
     if cfg.model is None and not (cfg.keys.get("model.name") or cfg.keys.get("model.flavor")):
         where = "[model] name and flavor" if cfg.path.endswith(".toml") else "model_spec = model_registry(FLAVOR)"
         raise PlannerError(f"the torchtitan config {shown_json(cfg.path)} names no model ({where}): give MODEL")
+    if cfg.model is None and decoder is not None:
+        raise PlannerError(f"the torchtitan job's model {cfg.model_label} is multimodal (a vision encoder beside its "
+                           f"text decoder), and fsdp-planner builds its text decoder only, as {decoder}: give "
+                           f"{decoder} as MODEL to plan the job without the vision encoder's params and work")
     if cfg.model is None:
         flavours: dict[str, list[str]] = {}
         for n, f in _titan_models():
@@ -149,6 +163,11 @@ def _model(m: _Merge) -> None:
         m.note(f"the torchtitan job's model {cfg.model_label} is simulated as {cfg.model} (transformers' modules, "
                "the same architecture numbers)")
     _attention(m)
+
+
+def _decoder(name: object, flavor: object) -> str | None:
+    """The shipped text decoder of torchtitan's multimodal ``name`` / ``flavor`` (None: none)."""
+    return titan_model(name, flavor, TITAN_DECODERS) if isinstance(name, str) and isinstance(flavor, str) else None
 
 
 def _attention(m: _Merge) -> None:

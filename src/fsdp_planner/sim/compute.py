@@ -21,8 +21,15 @@ import numpy as np
 
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import GPU, Compute, slowest_rank_factor
+from fsdp_planner.linear_attention import FLA_SHARE_OF_FLASH
 from fsdp_planner.sim.float8 import FLOAT8_PEAK_SHARE, Float8Step, fp8_peak
-from fsdp_planner.trace.events import ATTENTION_KERNELS, KERNEL_CAUSAL_ATTENTION, KERNEL_OTHER, EventKind
+from fsdp_planner.trace.events import (
+    ATTENTION_KERNELS,
+    KERNEL_CAUSAL_ATTENTION,
+    KERNEL_LINEAR_ATTENTION,
+    KERNEL_OTHER,
+    EventKind,
+)
 from fsdp_planner.trace.index import TraceIndex
 from fsdp_planner.trace.records import Trace
 
@@ -34,10 +41,12 @@ def traced_itemsize(trace: Trace) -> int:
 
 
 def flop_efficiency(kernel: np.ndarray, compute: Compute) -> np.ndarray:
-    """Per event: the fraction of the dense peak its FLOPs run at (``Event.kernel`` says which kernel)."""
+    """Per event: the fraction of the dense peak its FLOPs run at (``Event.kernel`` says which kernel): a matmul's
+    by its smallest dim, fused attention's, and flash-linear-attention's a share of that (``FLA_SHARE_OF_FLASH``)."""
     dims = np.maximum(kernel, 1).astype(np.float64)  # non-matmuls' 1 only keeps the division defined
     matmul = compute.matmul_efficiency * dims / (dims + compute.matmul_half_dim)
     out = np.where(kernel > 0, matmul, compute.matmul_efficiency)
+    out = np.where(kernel == KERNEL_LINEAR_ATTENTION, compute.attention_efficiency * FLA_SHARE_OF_FLASH, out)
     return np.where(np.isin(kernel, ATTENTION_KERNELS), compute.attention_efficiency, out)
 
 

@@ -42,8 +42,9 @@ from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.records import CompiledBlock, Trace
 from fsdp_planner.trace.reuse import static_signatures
 
-# what inductor leaves to a library kernel rather than fusing (by the op's name): matmuls, convolutions, attention
-EXTERN = ("mm", "convolution", "attention")
+# what inductor leaves to a library kernel rather than fusing (by the op's name): matmuls, convolutions, attention,
+# and flash-linear-attention's kernels (``linear_attention.py``: an opaque custom op, as FLA's own are to inductor)
+EXTERN = ("mm", "convolution", "attention", "chunk_gated_delta_rule")
 
 
 class _Captured(Exception):

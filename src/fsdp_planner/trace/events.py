@@ -67,6 +67,9 @@ KERNEL_EP_ALL_TO_ALL = -5
 # by ``sim/tensor_parallel.py`` beside its collective: a memory-bound op of the compute stream that compiled blocks'
 # fusion leaves as it is (inductor makes a ``cat`` kernel of it, not in a whole-model compile of the block)
 KERNEL_TP_RELAYOUT = -8
+# Gated DeltaNet's chunked linear attention as flash-linear-attention's kernels run it (``linear_attention.py``):
+# its FLOPs at a share of a fused attention kernel's efficiency
+KERNEL_LINEAR_ATTENTION = -9
 
 
 class OwnCall(NamedTuple):

@@ -26,6 +26,7 @@ from fsdp_planner.trace.events import (
     ATTENTION_KERNELS,
     KERNEL_ATTENTION,
     KERNEL_CAUSAL_ATTENTION,
+    KERNEL_LINEAR_ATTENTION,
     KERNEL_OTHER,
     OpClass,
 )
@@ -120,6 +121,7 @@ _MATMULS: dict[object, int] = {
 }
 _ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _ATTENTION = -1  # _kernel_kinds' mark of an attention op
+_LINEAR_ATTENTION = -2  # ... of linear attention's (``linear_attention.py``: its forward and backward ops)
 _kernel_kinds: dict[object, int | None] = {}  # func -> its first matrix's argument index, _ATTENTION, or None
 
 
@@ -129,17 +131,21 @@ def _kind(func: Any) -> int | None:
         return _kernel_kinds[func]
     except KeyError:
         name = str(getattr(func, "__name__", func))
-        kind = _MATMULS.get(func, _ATTENTION if any(w in name for w in _ATTENTION_WORDS) else None)
+        kind = _MATMULS.get(func, _ATTENTION if any(w in name for w in _ATTENTION_WORDS) else
+                            _LINEAR_ATTENTION if "chunk_gated_delta_rule" in name else None)
         _kernel_kinds[func] = kind
         return kind
 
 
 def kernel_of(func: Any, args: tuple, kwargs: dict) -> int:
     """The ``Event.kernel`` of an op: a matmul's smallest dim, ``KERNEL_ATTENTION`` for a fused attention kernel
-    (forward or backward; ``KERNEL_CAUSAL_ATTENTION`` when causal), else ``KERNEL_OTHER``."""
+    (forward or backward; ``KERNEL_CAUSAL_ATTENTION`` when causal), ``KERNEL_LINEAR_ATTENTION`` for Gated DeltaNet's,
+    else ``KERNEL_OTHER``."""
     kind = _kind(func)
     if kind is None:
         return KERNEL_OTHER
+    if kind == _LINEAR_ATTENTION:
+        return KERNEL_LINEAR_ATTENTION
     if kind == _ATTENTION:
         return KERNEL_CAUSAL_ATTENTION if _is_causal(func, args, kwargs) else KERNEL_ATTENTION
     a, b = args[kind], args[kind + 1]

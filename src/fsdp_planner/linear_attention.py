@@ -1,0 +1,175 @@
+"""Gated DeltaNet's linear attention as a GPU runs it, for steps that are only planned.
+
+Qwen3.5, Qwen3-Next and OLMo-Hybrid (transformers) put Gated DeltaNet layers between their attention layers. On a GPU
+their chunked gated delta rule runs flash-linear-attention's fused Triton kernels (FLA's
+``fla.ops.gated_delta_rule.chunk_gated_delta_rule``: transformers takes them where FLA is installed, torchtitan's
+qwen3_5 always). Without FLA (a CPU, a meta device) transformers runs its reference PyTorch implementation
+(``torch_chunk_gated_delta_rule``): a Python loop over 64-token chunks of small ops that saves each chunk's
+intermediates. Traced as it is, a 9B Qwen3.5 step at 4,096 tokens was 199,000 ops, planned in 135 s, and its simulated
+eager step (1.71 s on 8 H100s) bound by the launches of the loop's small kernels.
+
+``install`` wraps the reference function of a transformers model's modules: on planned tensors it runs two ops that
+stand for FLA's autograd function (``ChunkGatedDeltaRuleFunction``), with its outputs and what it saves for backward
+(the l2-normalised queries and keys with their reciprocal norms, the values, the chunk-local cumulative gates in fp32,
+beta, and the chunks' inverted (T, 64) matrices ``A``); on real tensors (``verify``) the reference itself. The
+backward op's workspace holds what FLA's ``chunk_gated_delta_rule_bwd`` makes again: the chunk states ``h`` and their
+gradients ``dh`` (one dk x dv matrix per chunk and value head each), and the (T, head dim) tensors ``w``, ``u``,
+``v_new`` and the local ``dv``. FLOPs: ``chunk_flops``. Time: an attention kernel's, at ``FLA_SHARE_OF_FLASH`` of its
+efficiency (``sim/compute.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import register_flop_formula
+
+from fsdp_planner.attention import planned
+
+CHUNK = 64  # FLA's and transformers' chunk_size default
+# FLA's GDN kernels achieve this share of what FlashAttention-2 achieves on the same GPU, in FLOPs per second as
+# ``chunk_flops`` and the trace count them (FLA's README, "Benchmarks": one GB200, chunk_gdn with
+# use_qk_l2norm_in_kernel against flash_attn_func causal, forward; the median of its three rows of head dim 128 and
+# 4,096 tokens or more: 0.26, 0.21 and 0.28; tests/test_linear_attention.py recomputes them)
+FLA_SHARE_OF_FLASH = 0.26
+REFERENCE = "torch_chunk_gated_delta_rule"  # the name transformers' modeling modules give the reference
+
+
+def chunk_macs(dk: int, dv: int, chunk: int = CHUNK) -> tuple[int, int]:
+    """Multiply-adds per token and value head of FLA's chunked gated delta rule, (forward, backward), from its
+    kernels' matmuls. Forward (``chunk_gated_delta_rule_fwd``): the chunk's k.k^T (A), its triangular inverse,
+    w = A.k and u = A.v, the state recurrence (w.h and k^T.v_new per chunk), and the output (q.h, q.k^T and its
+    product with v_new). Backward (``chunk_gated_delta_rule_bwd``): w, u and h again, the local dv (q.k^T, its
+    product with do), dh's recurrence (three dk x dv products), dq, dk and dw (three more, and two chunk x dk and
+    one chunk x dv), and the WY representation's backward (two of each chunk x head dim, and k.k^T's)."""
+    forward = chunk * (3 * dk + 2 * dv) + 3 * dk * dv + chunk * chunk // 3
+    backward = 8 * dk * dv + chunk * (8 * dk + 5 * dv)
+    return forward, backward
+
+
+def chunk_flops(batch: int, tokens: int, v_heads: int, dk: int, dv: int, backward: bool) -> int:
+    """FLOPs (two per multiply-add, as torch's counter counts) of one forward or backward call."""
+    return 2 * batch * tokens * v_heads * chunk_macs(dk, dv)[backward]
+
+
+@torch.library.custom_op("fsdp_planner::chunk_gated_delta_rule", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             l2norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor, torch.Tensor]:
+    """(o, q normalised, q's reciprocal norms, k normalised, k's, the cumulative gates, A): FLA's forward. Run only on
+    planned tensors (``chunk_rule`` takes the reference on real ones)."""
+    raise RuntimeError("fsdp_planner::chunk_gated_delta_rule stands for FLA's kernels on planned tensors only")
+
+
+@_forward.register_fake
+def _forward_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  l2norm: bool) -> tuple[torch.Tensor, ...]:
+    batch, tokens, k_heads, _ = q.shape
+    v_heads, dv = v.shape[-2:]
+    normed = 1 if l2norm else 0  # without the norm FLA saves the inputs themselves: nothing new
+    return (q.new_empty(batch, tokens, v_heads, dv),
+            q.new_empty(q.shape if l2norm else (0,)), q.new_empty(batch * normed, tokens, k_heads, dtype=torch.float32),
+            k.new_empty(k.shape if l2norm else (0,)), k.new_empty(batch * normed, tokens, k_heads, dtype=torch.float32),
+            g.new_empty(batch, tokens, v_heads, dtype=torch.float32),
+            k.new_empty(batch, tokens, v_heads, CHUNK))
+
+
+@torch.library.custom_op("fsdp_planner::chunk_gated_delta_rule_backward", mutates_args=())
+def _backward(do: torch.Tensor, q: torch.Tensor, q_rstd: torch.Tensor, k: torch.Tensor, k_rstd: torch.Tensor,
+              v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, a: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta): FLA's backward, on planned tensors only."""
+    raise RuntimeError("fsdp_planner::chunk_gated_delta_rule_backward stands for FLA's kernels on planned tensors only")
+
+
+@_backward.register_fake
+def _backward_fake(do: torch.Tensor, q: torch.Tensor, q_rstd: torch.Tensor, k: torch.Tensor, k_rstd: torch.Tensor,
+                   v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta))
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, g, beta, l2norm = inputs
+    _, qn, q_rstd, kn, k_rstd, g_cum, a = output
+    ctx.save_for_backward(qn if l2norm else q, q_rstd, kn if l2norm else k, k_rstd, v, g_cum, beta, a)
+    ctx.g_dtype = g.dtype
+
+
+def _grads(ctx: Any, do: torch.Tensor, *_: Any) -> tuple:
+    q, q_rstd, k, k_rstd, v, g_cum, beta, a = ctx.saved_tensors
+    dq, dk, dv, dg, dbeta = _backward(do.contiguous(), q, q_rstd, k, k_rstd, v, g_cum, beta, a)
+    return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None
+
+
+torch.library.register_autograd("fsdp_planner::chunk_gated_delta_rule", _grads, setup_context=_setup)
+
+
+@register_flop_formula(torch.ops.fsdp_planner.chunk_gated_delta_rule)
+def _forward_flops(q_shape: tuple, k_shape: tuple, v_shape: tuple, *args: Any, **kwargs: Any) -> int:
+    batch, tokens, _, dk = q_shape
+    return chunk_flops(batch, tokens, v_shape[-2], dk, v_shape[-1], backward=False)
+
+
+@register_flop_formula(torch.ops.fsdp_planner.chunk_gated_delta_rule_backward)
+def _backward_flops(do_shape: tuple, q_shape: tuple, *args: Any, **kwargs: Any) -> int:
+    batch, tokens, v_heads, dv = do_shape
+    return chunk_flops(batch, tokens, v_heads, q_shape[-1], dv, backward=True)
+
+
+def backward_workspace(do: torch.Tensor, q: torch.Tensor) -> int:
+    """Bytes FLA's backward allocates besides its outputs (module docstring): h and dh, one dk x dv matrix per
+    chunk and value head each, and four (T, value heads, head dim) tensors, in the queries' dtype."""
+    batch, tokens, v_heads, dv = do.shape
+    dk = q.shape[-1]
+    chunks = -(-tokens // CHUNK)
+    states = 2 * batch * chunks * v_heads * dk * dv
+    per_token = batch * tokens * v_heads * (2 * dk + 2 * dv)
+    return (states + per_token) * q.element_size()
+
+
+def chunk_rule(reference: Callable[..., Any]) -> Callable[..., Any]:
+    """``reference`` (transformers' ``torch_chunk_gated_delta_rule``) on real tensors; FLA's kernels on planned
+    ones. Sequences packed together (``cu_seqlens``) and a recurrent state carried in or out are generation's, not a
+    training step's: the reference takes them."""
+
+    def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             chunk_size: int = CHUNK, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+             use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not planned(query) or initial_state is not None or output_final_state or chunk_size != CHUNK or \
+                kwargs.get("cu_seqlens") is not None:
+            return reference(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                             output_final_state=output_final_state,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        out = _forward(query.contiguous(), key.contiguous(), value.contiguous(), g, beta, use_qk_l2norm_in_kernel)
+        return out[0], None
+
+    rule.__wrapped_by_fsdp_planner__ = True  # type: ignore[attr-defined]
+    rule.__wrapped__ = reference  # type: ignore[attr-defined]
+    return rule
+
+
+def install(model: nn.Module) -> int:
+    """Wrap the reference gated delta rule of every modeling module ``model``'s classes come from (``chunk_rule``),
+    once per module; how many modules of ``model`` run it (0: none has linear attention)."""
+    runs = 0
+    for m in model.modules():
+        module = sys.modules.get(type(m).__module__)
+        reference = getattr(module, REFERENCE, None)
+        if reference is None or not callable(reference) or not _reads_rule(m):
+            continue
+        runs += 1
+        if not getattr(reference, "__wrapped_by_fsdp_planner__", False):
+            setattr(module, REFERENCE, chunk_rule(reference))
+    return runs
+
+
+def _reads_rule(module: nn.Module) -> bool:
+    """A linear-attention layer by what transformers' gated DeltaNet layers hold: a depthwise conv1d over q, k and v,
+    and the per-head decay ``A_log``."""
+    return isinstance(getattr(module, "conv1d", None), nn.Conv1d) and isinstance(getattr(module, "A_log", None),
+                                                                                 torch.Tensor)
