@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,12 +103,15 @@ def test_real_tensors_run_transformers_own_reference(tmp_path):
 
 
 def test_the_backward_workspace_holds_the_chunk_states_again():
-    do = torch.empty(2, 130, 8, 16, device="meta", dtype=torch.bfloat16)  # 3 chunks of 64
-    q = torch.empty(2, 130, 4, 32, device="meta", dtype=torch.bfloat16)
-    states = 2 * 2 * 3 * 8 * 32 * 16
-    per_token = 2 * 130 * 8 * (2 * 32 + 2 * 16)
+    """h and dh per chunk, w, u, v_new, the new dv and dw, dq and dk at the value heads' width, the fp32 dg."""
+    do = torch.empty(2, 130, 8, 16, device="meta", dtype=torch.bfloat16)  # 3 chunks of 64, 8 value heads
+    q = torch.empty(2, 130, 4, 32, device="meta", dtype=torch.bfloat16)  # 4 key heads
+    states = 2 * (2 * 3 * 8 * 32 * 16)
+    value_width = 2 * 130 * 8 * (32 + 16 + 16 + 16 + 32 + 32 + 32)  # w, u, v_new, dv, dw, dq, dk
+    key_width = 2 * 130 * 4 * (32 + 32)  # dq and dk summed to the key heads
+    dg = 2 * 130 * 8 * 4
     assert workspace_bytes(torch.ops.fsdp_planner.chunk_gated_delta_rule_backward.default,
-                           (do, q), {}) == (states + per_token) * 2
+                           (do, q), {}) == (states + value_width + key_width) * 2 + dg
 
 
 def test_fla_s_kernels_in_a_profile_are_attention():
@@ -133,3 +137,17 @@ def test_a_tiny_qwen35_trains_on_two_gloo_ranks_with_parity(tmp_path, monkeypatc
                  "--time-steps", "0")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
+
+
+def test_layers_that_ran_the_reference_are_said(tmp_path, monkeypatch):
+    """A transformers whose layers call the rule another way (before 5.25: an attribute the layer binds) traces the
+    reference: the note says so rather than stay silent."""
+    from fsdp_planner.service.tracing import linear_attention_note
+
+    lm = load_model(ModelSpec(tiny(tmp_path), batch_size=1, seq_len=128), meta=True)
+    layer = next(m for m in lm.model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    module = sys.modules[type(layer).__module__]
+    monkeypatch.setattr(module, la.REFERENCE, getattr(module, la.REFERENCE).__wrapped__)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    said = linear_attention_note(tr, lm.model)
+    assert said is not None and said.startswith("3 gated DeltaNet layers traced as transformers' PyTorch reference")

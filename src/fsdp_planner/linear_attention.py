@@ -14,8 +14,9 @@ stand for FLA's autograd function (``ChunkGatedDeltaRuleFunction``), with its ou
 beta, and the chunks' inverted (T, 64) matrices ``A``); on real tensors (``verify``) the reference itself. The
 backward op's workspace holds what FLA's ``chunk_gated_delta_rule_bwd`` makes again: the chunk states ``h`` and their
 gradients ``dh`` (one dk x dv matrix per chunk and value head each), and the (T, head dim) tensors ``w``, ``u``,
-``v_new`` and the local ``dv``. FLOPs: ``chunk_flops``. Time: an attention kernel's, at ``FLA_SHARE_OF_FLASH`` of its
-efficiency (``sim/compute.py``).
+``v_new``, the new ``dv``, ``dw`` and dq and dk at the value heads' width. FLOPs: ``chunk_flops``. Time: an
+attention kernel's, at ``FLA_SHARE_OF_FLASH`` of its efficiency (``sim/compute.py``). Not modelled: FLA's dispatch
+to FlashQLA's kernels on SM90 and newer where the ``flash_qla`` package is installed.
 """
 
 from __future__ import annotations
@@ -37,17 +38,19 @@ CHUNK = 64  # FLA's and transformers' chunk_size default
 # 4,096 tokens or more: 0.26, 0.21 and 0.28; tests/test_linear_attention.py recomputes them)
 FLA_SHARE_OF_FLASH = 0.26
 REFERENCE = "torch_chunk_gated_delta_rule"  # the name transformers' modeling modules give the reference
+ATTRIBUTE = "chunk_gated_delta_rule"  # the layer's own attribute holding the rule (transformers before 5.25)
 
 
 def chunk_macs(dk: int, dv: int, chunk: int = CHUNK) -> tuple[int, int]:
-    """Multiply-adds per token and value head of FLA's chunked gated delta rule, (forward, backward), from its
-    kernels' matmuls. Forward (``chunk_gated_delta_rule_fwd``): the chunk's k.k^T (A), its triangular inverse,
-    w = A.k and u = A.v, the state recurrence (w.h and k^T.v_new per chunk), and the output (q.h, q.k^T and its
-    product with v_new). Backward (``chunk_gated_delta_rule_bwd``): w, u and h again, the local dv (q.k^T, its
-    product with do), dh's recurrence (three dk x dv products), dq, dk and dw (three more, and two chunk x dk and
-    one chunk x dv), and the WY representation's backward (two of each chunk x head dim, and k.k^T's)."""
+    """Multiply-adds per token and value head of FLA's chunked gated delta rule, (forward, backward), every
+    ``tl.dot`` of its kernels counted. Forward (``chunk_gated_delta_rule_fwd``): the chunk's k.k^T (A), its
+    triangular inverse, w = A.k and u = A.v, the state recurrence (w.h and k^T.v_new per chunk), and the output (q.h,
+    q.k^T and its product with v_new). Backward (``chunk_gated_delta_rule_bwd``): w, u and h again, the local dv
+    (q.k^T, its product with do), dh's recurrence (three dk x dv products), dq, dk and dw (three more, two chunk x dk
+    and one chunk x dv), and the WY representation's backward (``prepare_wy_repr_bwd``: three chunk x dk and two
+    chunk x dv products, and dA through A on both sides, chunk x chunk each)."""
     forward = chunk * (3 * dk + 2 * dv) + 3 * dk * dv + chunk * chunk // 3
-    backward = 8 * dk * dv + chunk * (8 * dk + 5 * dv)
+    backward = 8 * dk * dv + chunk * (9 * dk + 5 * dv) + 2 * chunk * chunk
     return forward, backward
 
 
@@ -122,14 +125,17 @@ def _backward_flops(do_shape: tuple, q_shape: tuple, *args: Any, **kwargs: Any) 
 
 
 def backward_workspace(do: torch.Tensor, q: torch.Tensor) -> int:
-    """Bytes FLA's backward allocates besides its outputs (module docstring): h and dh, one dk x dv matrix per
-    chunk and value head each, and four (T, value heads, head dim) tensors, in the queries' dtype."""
+    """Bytes FLA's backward holds besides its outputs at its peak (``chunk_bwd_dqkwg``: ``chunk_gated_delta_rule_bwd``
+    keeps its locals to the end): h and dh, one dk x dv matrix per chunk and value head each; w, u, v_new, the new
+    dv, dw, and dq and dk at the value heads' width (summed to the key heads' after), in the queries' dtype; and the
+    fp32 dg. The forward's own (h, w, u and v_new while it runs) is not counted: the trace keeps no forward
+    workspace, and a step's peak is in backward."""
     batch, tokens, v_heads, dv = do.shape
-    dk = q.shape[-1]
+    k_heads, dk = q.shape[-2:]
     chunks = -(-tokens // CHUNK)
     states = 2 * batch * chunks * v_heads * dk * dv
-    per_token = batch * tokens * v_heads * (2 * dk + 2 * dv)
-    return (states + per_token) * q.element_size()
+    per_token = batch * tokens * (v_heads * (4 * dk + 3 * dv) + 2 * k_heads * dk)
+    return (states + per_token) * q.element_size() + batch * tokens * v_heads * 4
 
 
 def chunk_rule(reference: Callable[..., Any]) -> Callable[..., Any]:
@@ -155,21 +161,32 @@ def chunk_rule(reference: Callable[..., Any]) -> Callable[..., Any]:
 
 def install(model: nn.Module) -> int:
     """Wrap the reference gated delta rule of every modeling module ``model``'s classes come from (``chunk_rule``),
-    once per module; how many modules of ``model`` run it (0: none has linear attention)."""
+    once per module, and the rule a layer holds as its own attribute (transformers before 5.25 binds it in the
+    layer's constructor: ``self.chunk_gated_delta_rule``); how many modules of ``model`` run it (0: none has linear
+    attention)."""
     runs = 0
     for m in model.modules():
         module = sys.modules.get(type(m).__module__)
         reference = getattr(module, REFERENCE, None)
-        if reference is None or not callable(reference) or not _reads_rule(m):
+        if not _reads_rule(m) or (reference is None and not callable(getattr(m, ATTRIBUTE, None))):
             continue
         runs += 1
-        if not getattr(reference, "__wrapped_by_fsdp_planner__", False):
+        if callable(reference) and not getattr(reference, "__wrapped_by_fsdp_planner__", False):
             setattr(module, REFERENCE, chunk_rule(reference))
+        own = m.__dict__.get(ATTRIBUTE)
+        if callable(own) and not getattr(own, "__wrapped_by_fsdp_planner__", False):
+            setattr(m, ATTRIBUTE, chunk_rule(own))
     return runs
+
+
+def layers(model: nn.Module) -> int:
+    """How many of ``model``'s modules are gated DeltaNet layers (``_reads_rule``)."""
+    return sum(1 for m in model.modules() if _reads_rule(m))
 
 
 def _reads_rule(module: nn.Module) -> bool:
     """A linear-attention layer by what transformers' gated DeltaNet layers hold: a depthwise conv1d over q, k and v,
-    and the per-head decay ``A_log``."""
-    return isinstance(getattr(module, "conv1d", None), nn.Conv1d) and isinstance(getattr(module, "A_log", None),
-                                                                                 torch.Tensor)
+    the per-head decay ``A_log`` and its bias ``dt_bias``, and no skip ``D`` (Mamba-2's mixers have one)."""
+    return isinstance(getattr(module, "conv1d", None), nn.Conv1d) and \
+        all(isinstance(getattr(module, name, None), torch.Tensor) for name in ("A_log", "dt_bias")) and \
+        getattr(module, "D", None) is None

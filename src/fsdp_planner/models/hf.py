@@ -36,7 +36,7 @@ import torch.nn as nn
 
 import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
-from fsdp_planner import linear_attention
+from fsdp_planner import linear_attention, mamba_scan
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.limits import check_config, check_field
 from fsdp_planner.patching import TORCHAO_LOGGERS, quiet_loggers
@@ -176,11 +176,29 @@ def read_config(source: str) -> dict[str, Any]:
                       lambda detail: f"{label} is not valid JSON: {detail}")
     if not isinstance(data, dict):
         raise PlannerError(f"{label} must hold a JSON object, got {type(data).__name__}")
+    data = special_floats(data)
     if not isinstance(data.get("model_type"), str):
         raise PlannerError(f"{label} has no \"model_type\" (e.g. \"llama\"): transformers needs it to pick the "
                            "architecture")
     check_config(data, label)
     return data
+
+
+FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def special_floats(value: Any) -> Any:
+    """``value`` with transformers 5's tagged floats read: its configs write a float JSON cannot hold as
+    ``{"__float__": "Infinity"}`` (Mamba-2's ``time_step_limit`` of (0.0, inf)), and its reader turns them back
+    (``PreTrainedConfig``'s special floats); ``limits.check_field`` then judges the number."""
+    if isinstance(value, dict):
+        tag = value.get("__float__") if len(value) == 1 else None
+        if isinstance(tag, str) and tag in FLOAT_TAGS:
+            return FLOAT_TAGS[tag]
+        return {k: special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [special_floats(v) for v in value]
+    return value
 
 
 def _config(data: dict[str, Any]) -> Any:
@@ -454,7 +472,8 @@ def unpacked_inputs() -> None:
 def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str | None = None) -> nn.Module:
     """The model of a config (on the current default device: meta while planning), fp32 params, training mode,
     no KV cache unless ``overrides`` ask for one. Experts layers take the token-balanced routing while planned
-    (``hf_experts``), gated DeltaNet layers flash-linear-attention's kernels (``linear_attention``). ``attention``
+    (``hf_experts``), gated DeltaNet layers flash-linear-attention's kernels (``linear_attention``), Mamba-2 layers
+    mamba_ssm's fused function (``mamba_scan``). ``attention``
     (``--attention``) sets the attention implementation; None leaves transformers' own choice."""
     config = _config(with_overrides(data, overrides))
     unpacked_inputs()
@@ -484,6 +503,7 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
     if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
         model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
     linear_attention.install(model)
+    mamba_scan.install(model)
     return model.train()
 
 

@@ -11,7 +11,7 @@ from copy import deepcopy
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointError
 
-from fsdp_planner import routing
+from fsdp_planner import linear_attention, routing
 from fsdp_planner.attention import Kernel, kernel
 from fsdp_planner.choices import SacPolicy
 from fsdp_planner.errors import PlannerError
@@ -19,6 +19,7 @@ from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.linear_attention import FLA_SHARE_OF_FLASH
+from fsdp_planner.mamba_scan import mixers
 from fsdp_planner.models import BUILTINS, LoadedModel, ModelSpec, as_spec, exit_message, hf, load_model
 from fsdp_planner.patching import quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_dependent
@@ -62,8 +63,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
         raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}{_loss_hint(e)}") from e
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
     encoder = hf.encoder_note(lm.model) if hf.is_hf(spec.name) else None
-    for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr),
-                 routing_note(spec, routed[0]),
+    for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr, lm.model),
+                 mamba_note(lm.model), routing_note(spec, routed[0]),
                  own_checkpointing_note(lm.own_checkpointing), positions, encoder,
                  hf.version_note() if hf.is_hf(spec.name) else None):
         if line:
@@ -358,15 +359,35 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
     return f"attention traced as {attention.name} ({saved}; --attention changes it)"
 
 
-def linear_attention_note(tr: Trace) -> str | None:
+def linear_attention_note(tr: Trace, model: nn.Module) -> str | None:
     """Which kernels the trace took for gated DeltaNet's linear attention (None: the step has none)."""
     calls = sum(1 for e in tr.events if e.is_op and not e.backward and e.kernel == KERNEL_LINEAR_ATTENTION)
+    if not calls and linear_attention.layers(model):  # (a transformers whose layers call the rule otherwise)
+        return (f"{linear_attention.layers(model):,} gated DeltaNet layers traced as transformers' PyTorch reference "
+                "(a loop over 64-token chunks, each chunk's intermediates saved), not flash-linear-attention's "
+                "kernels, which a GPU with FLA runs: their time and memory are far above a GPU's (this transformers "
+                "calls the rule in a way fsdp-planner does not stand in for)")
     if not calls:
         return None
     return (f"linear attention ({calls:,} gated DeltaNet calls) traced as flash-linear-attention's chunked kernels, "
             "what a GPU with FLA runs (transformers' PyTorch reference, which runs without it, launches tens of "
             f"kernels per chunk of 64 tokens): FLA's saved tensors, its FLOPs at {FLA_SHARE_OF_FLASH:.0%} of fused "
             "attention's efficiency (FLA's published benchmark)")
+
+
+def mamba_note(model: nn.Module) -> str | None:
+    """Which path the trace took for Mamba-2's mixers (None: the model has none)."""
+    fused, reference = mixers(model)
+    if reference:
+        return (f"{reference:,} Mamba-2 mixers traced as transformers' PyTorch reference, which saves fp32 "
+                "chunk-by-chunk matrices, not mamba_ssm's fused function a GPU trains with: their activations are "
+                "far above a GPU's (this transformers has no fused entry point fsdp-planner stands in for)")
+    if not fused:
+        return None
+    return (f"{fused:,} Mamba-2 mixers traced as mamba_ssm's fused function (mamba_split_conv1d_scan_combined, what "
+            "transformers trains with on a GPU with mamba_ssm: its input, the scan's output and the weights saved, the "
+            "rest made again in backward), not transformers' PyTorch reference, which saves fp32 chunk-by-chunk "
+            "matrices")
 
 
 def routing_note(spec: ModelSpec, consulted: int) -> str | None:
