@@ -297,13 +297,21 @@ def test_an_expert_skipped_without_tokens_is_an_error_and_one_called_on_an_empty
     assert "routing-skips" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("factory", ["guarded_moe", "counted_moe"])
+@pytest.mark.parametrize("factory", ["guarded_moe", "counted_moe", "compared_moe", "equal_moe"])
 def test_an_expert_skipped_by_a_guard_on_its_mask_is_an_error(capsys, factory: str):
     """A guard that reads the expert's mask before selecting its tokens (``if not mask.any()``, ``if
-    int(mask.sum()) == 0``) skips it as ``numel() == 0`` does: a new user's trial found check silent on those and
-    the gloo job aborting in a reduce-scatter. The starved step answers the first such read after the routing as
-    no token."""
+    int(mask.sum()) == 0``, ``if mask.sum() > 0``, ``if mask.sum() == 0``) skips it as ``numel() == 0`` does: a new
+    user's trial found check silent on those and the gloo job aborting in a reduce-scatter. The starved step
+    answers the first such read after the routing as no token; the balanced step runs every expert (``mask.sum() ==
+    0`` was answered true, as counts that must match: every expert skipped, its params reported unused)."""
     from fsdp_planner.cli import main
+    from fsdp_planner.models import load_model
+    from fsdp_planner.trace import record
+
+    lm = load_model(f"tests/fixtures/skipping_moe.py:{factory}")
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
+    flops = {sum(e.flops for e in tr.events if e.is_op and e.module.startswith(f"1.experts.{k}")) for k in range(4)}
+    assert len(flops) == 1 and flops.pop() > 0
 
     assert main(["check", f"tests/fixtures/skipping_moe.py:{factory}", "--json"]) == 1
     (skips,) = [f for f in json.loads(capsys.readouterr().out) if f["code"] == "routing-skips"]

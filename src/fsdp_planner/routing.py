@@ -124,7 +124,12 @@ class StandIn:
         if not (isinstance(out, torch.Tensor) and out.dim() == 0 and _planned(out)) or len(args) < 2:
             return
         a, b = (self._known(x) for x in args[:2])
-        if a is None or b is None:
+        if self.experts is not None and (a is None) != (b is None) and (b if a is None else a) == 0:
+            # a count compared with zero after a routing, an emptiness guard (``if mask.sum() > 0``, ``if mask.sum()
+            # == 0: continue``): an expert's rows, or none for the first such question when starved
+            count = self._count_read()
+            a, b = (count, b) if a is None else (a, count)
+        elif a is None or b is None:
             if packet in (_aten.eq, _aten.ne):  # counts that must match do
                 a, b = 0, 0
             elif a is None and b is not None:  # just inside the bound it is compared with
@@ -266,12 +271,18 @@ class StandIn:
         if t.is_floating_point() or t.is_complex():
             return 0.0
         if read and self.experts is not None:
-            self.reads += 1
-            # the first question asked after a routing is about the first expert: a guard read before any selection,
-            # or right after the first (``torch.where`` then ``if not mask.any(): continue``)
-            if self.starved and self.reads == 1 and self.selections <= 1:
-                return False if t.dtype == torch.bool else 0
+            count = self._count_read()
+            return bool(count) if t.dtype == torch.bool else count
         return True if t.dtype == torch.bool else self.per_expert
+
+    def _count_read(self) -> int:
+        """The token count the model reads after a routing: an expert's rows, but when ``starved`` none for the first
+        question asked after it, which is about the first expert (a guard read before any selection, or right after
+        the first: ``torch.where`` then ``if not mask.any(): continue``)."""
+        self.reads += 1
+        if self.starved and self.reads == 1 and self.selections <= 1:
+            return 0
+        return self.per_expert
 
     def note(self) -> str | None:
         """One line naming what stood in, where; None when nothing did."""
