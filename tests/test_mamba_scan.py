@@ -85,7 +85,7 @@ def test_real_tensors_take_transformers_own_path(tmp_path):
     model = load_model(tiny(tmp_path, TINY_NEMOTRON_H), meta=False).model
     module = sys.modules[type(next(m for m in model.modules() if ms._mixer(m))).__module__]
     wrapper = getattr(module, ms.FUSED)
-    assert getattr(wrapper, "__wrapped_by_fsdp_planner__", False) and ms.mixers(model) == (2, 0)
+    assert getattr(wrapper, "__wrapped_by_fsdp_planner__", False) and ms.mixers(model) == 2
     ids = torch.randint(0, 256, (2, 40))
     got = model(ids).logits
     setattr(module, ms.FUSED, wrapper.__wrapped__)
@@ -96,15 +96,39 @@ def test_real_tensors_take_transformers_own_path(tmp_path):
     assert torch.equal(got, want)
 
 
-def test_the_backward_workspace_holds_the_conv_and_the_chunk_states_again():
+def test_the_backward_workspace_holds_the_conv_the_norm_s_dx_and_the_larger_moment():
     zxbcdt = torch.empty(2, 100, 2 * 128 + 2 * 2 * 16 + 8, device="meta", dtype=torch.bfloat16)
     conv_w = torch.empty(128 + 2 * 2 * 16, 4, device="meta")
     D = torch.empty(8, device="meta")
     chunks = 4  # 100 tokens in chunks of 32
     conv = 2 * 2 * 100 * (128 + 64) * 2
-    fp32 = 2 * 2 * chunks * (8 * 16 * 16 + 2 * 32 * 32) * 4
+    norm_dx = 2 * 100 * 128 * 2
+    dda = 2 * 8 * chunks * 1 * 32 * 4
+    states = 2 * 2 * chunks * 8 * 16 * 16 * (4 + 2)  # fp32 and a bf16 copy, the states and their gradients
+    cb = 3 * 2 * chunks * 2 * 32 * 32 * 4 + 2 * 2 * 100 * 2 * 16 * 4
     args = (None, zxbcdt, conv_w, None, None, None, D, None, None, None, 16, 2, 32)
-    assert workspace_bytes(torch.ops.fsdp_planner.mamba_conv_scan_backward.default, args, {}) == conv + fp32
+    got = workspace_bytes(torch.ops.fsdp_planner.mamba_conv_scan_backward.default, args, {})
+    assert got == conv + norm_dx + dda + max(states, cb)
+
+
+def test_the_note_counts_the_mixers_the_trace_ran_fused_and_mamba_1_has_none(tmp_path):
+    """Mamba-1's mixers (a conv1d, A_log and D too, but A_log a matrix) are no Mamba-2 mixers: no note; a mixer that
+    ran the reference (a cache, another transformers) is said, not counted as fused."""
+    from fsdp_planner.service.tracing import mamba_note
+
+    mamba1 = {"model_type": "mamba", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "state_size": 8}
+    lm, tr = traced(tiny(tmp_path, mamba1), 64)
+    assert ms.mixers(lm.model) == 0 and mamba_note(tr, lm.model) is None
+    lm, tr = traced(tiny(tmp_path, TINY_NEMOTRON_H), 64)
+    assert mamba_note(tr, lm.model).startswith("2 Mamba-2 mixers traced as mamba_ssm's fused function")
+    module = sys.modules[type(next(m for m in lm.model.modules() if ms._mixer(m))).__module__]
+    wrapper = getattr(module, ms.FUSED)
+    setattr(module, ms.FUSED, wrapper.__wrapped__)
+    try:
+        reference = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    finally:
+        setattr(module, ms.FUSED, wrapper)
+    assert mamba_note(reference, lm.model).startswith("2 of 2 Mamba-2 mixers traced as transformers' PyTorch reference")
 
 
 def test_a_config_s_tagged_infinity_is_read_and_nan_is_refused(tmp_path, capsys):
@@ -116,6 +140,9 @@ def test_a_config_s_tagged_infinity_is_read_and_nan_is_refused(tmp_path, capsys)
     huge = {**TINY_MAMBA2, "hidden_size": {"__float__": "Infinity"}}
     assert main(["plan", tiny(tmp_path, huge), "--cluster", "h100:8", "--policy", "titan"]) == 2
     assert "hidden_size = Infinity is not a finite number" in capsys.readouterr().err
+    low = {**TINY_MAMBA2, "time_step_limit": [{"__float__": "Infinity"}, 1.0]}  # only the upper end is unbounded
+    assert main(["plan", tiny(tmp_path, low), "--cluster", "h100:8", "--policy", "titan"]) == 2
+    assert "time_step_limit[0] = Infinity is not a finite number" in capsys.readouterr().err
 
 
 @pytest.mark.integration
@@ -134,3 +161,14 @@ def test_a_tiny_nemotron_h_trains_on_two_gloo_ranks_with_parity(tmp_path, monkey
                  "--seq", "64", "--time-steps", "0")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
+
+
+def test_mamba_ssm_s_scan_kernels_in_a_profile_are_the_class_the_simulator_times_them_in():
+    """The stand-in's op has FLOPs and no named kernel: the calibration's matmul class (``trace_fit``); its cumsum
+    kernels move bytes only."""
+    from fsdp_planner.calibrate.kineto import OpClass, op_class
+
+    for name in ("_chunk_scan_fwd_kernel", "_chunk_state_bwd_db_kernel", "_bmm_chunk_fwd_kernel",
+                 "_state_passing_bwd_kernel", "_chunk_scan_chunk_state_bwd_dx_kernel"):
+        assert op_class(name, gpu=True) is OpClass.MATMUL, name
+    assert op_class("_chunk_cumsum_fwd_kernel", gpu=True) is OpClass.MEMORY

@@ -46,9 +46,9 @@ RANGES: tuple[tuple[tuple[str, ...], int, int, str], ...] = (
 )
 _BY_NAME = {name: (low, high, what) for names, low, high, what in RANGES for name in names}
 MAX_INT = 2**53  # any other whole number of a config: beyond it, no architecture number (a float's exact range)
-# fields whose upper bound may be Infinity, meaning none: Mamba-2's clamp of its time step (transformers' default
-# (0.0, inf), which its configs write as Infinity)
-UNBOUNDED = frozenset({"time_step_limit"})
+# the fields whose value may be Infinity, meaning no bound: the upper end of Mamba-2's clamp of its time step
+# (transformers' default (0.0, inf), which its configs write as Infinity)
+UNBOUNDED = frozenset({"time_step_limit[1]"})
 
 
 def check_field(name: str, value: Any, where: str) -> None:
@@ -65,7 +65,7 @@ def check_field(name: str, value: Any, where: str) -> None:
     # a field name from a file is shown as typed when it is a plain name, else quoted and escaped
     plain = name.rstrip("]0123456789").removesuffix("[")
     shown = name if len(name) <= 100 and plain.replace(".", "_").isidentifier() else shown_json(name)
-    unbounded = value == math.inf and plain.rpartition(".")[2] in UNBOUNDED
+    unbounded = value == math.inf and name.rpartition(".")[2] in UNBOUNDED
     # (Python's JSON reader takes NaN and Infinity)
     if isinstance(value, float) and not math.isfinite(value) and not unbounded:
         raise PlannerError(f"{where}: {shown} = {shown_json(value)} is not a finite number")

@@ -6,15 +6,18 @@ transformers) train through ``mamba2_split_conv1d_scan_combined``: with mamba_ss
 state-space scan (SSD), the gated RMSNorm and the output projection, and saves for backward only its input (the
 in-projection's output ``zxbcdt``), the scan's output before the norm, the norm's reciprocal std and the weights: the
 rest is made again in backward. Without mamba_ssm (a CPU, a meta device) that function returns None and transformers
-runs its PyTorch reference, whose einsums save fp32 chunk-by-chunk matrices: 20.5 GiB of activations for 8 layers
-of a 2048-wide Mamba-2 at 4,096 tokens, where the fused function saves a tenth of it.
+runs its PyTorch reference, whose einsums save fp32 chunk-by-chunk matrices: a 2048-wide, 8-layer Mamba-2 at 4,096
+tokens held 20.5 GiB of activations traced so, 3.65 GiB as the fused function saves them.
 
 ``install`` wraps the fused entry point of a transformers model's modules: on planned tensors it runs
 ``_SplitConv1dScan``, whose forward and backward each run one op standing for mamba_ssm's conv and scan kernels
 (with the chunk states and chunk-by-chunk products they write as outputs, freed at once) beside the output
 projection's matmuls, which torch runs as its own kernels; it saves what mamba_ssm saves. Real tensors (``verify``)
-take transformers' own path. FLOPs: ``scan_macs``; time: the op's FLOPs and bytes as any other (the SSD kernels are
-mostly bound by memory bandwidth, https://pytorch.org/blog/accelerating-mamba2-with-kernel-fusion).
+take transformers' own path. FLOPs: ``scan_macs``; time: the op's FLOPs at the matmul efficiency or its bytes at the
+memory one, as a matmul's (``KERNEL_MAMBA_SCAN``). mamba_ssm runs about 5 kernels forward and 12 backward, each
+reading and writing memory, mostly bound by its bandwidth
+(https://pytorch.org/blog/accelerating-mamba2-with-kernel-fusion): one op's inputs and outputs undercount their
+traffic, so the time is a floor.
 """
 
 from __future__ import annotations
@@ -35,15 +38,17 @@ FUSED = "mamba2_split_conv1d_scan_combined"  # the name transformers' modeling m
 
 def scan_macs(heads: int, headdim: int, dstate: int, groups: int, chunk: int, conv_dim: int, kernel: int,
               backward: bool) -> int:
-    """Multiply-adds per token of mamba_ssm's conv and scan kernels. Forward (``_mamba_chunk_scan_combined_fwd``):
-    the conv, each group's C.B^T within its chunk, each head's chunk state B^T.x and output C.state, and the
-    chunk-by-chunk product with x. Backward (``_mamba_chunk_scan_combined_bwd``, recompute_output): the conv, C.B^T and
-    the states again, the output again, then dstates, dx (through the states and through C.B^T), dB, dC and
-    d(C.B^T), and the conv's gradients."""
+    """Multiply-adds per token of mamba_ssm's conv and scan kernels, every ``tl.dot`` counted. Forward
+    (``_mamba_chunk_scan_combined_fwd``): the conv, each group's C.B^T within its chunk, each head's chunk state
+    B^T.x and output C.state, and the chunk-by-chunk product with x. Backward (``_mamba_chunk_scan_combined_bwd``,
+    whose output the norm's backward makes again, not the scan): the conv, C.B^T and the states again, then dstates,
+    dx through the states and through C.B^T, dB, dC, d(C.B^T) and ``ddAcs_stable``'s dout.x^T, two products for
+    C.B^T's gradients, and the conv's. The chunk-by-chunk products are causal, and their kernels skip the blocks
+    above the diagonal (about a third of them): counted whole, as a sequence shorter than a chunk is."""
     per_head = 2 * dstate * headdim + chunk * headdim
     if not backward:
         return conv_dim * kernel + heads * per_head + groups * chunk * dstate
-    return 3 * conv_dim * kernel + heads * (6 * dstate * headdim + 3 * chunk * headdim) + 4 * groups * chunk * dstate
+    return 3 * conv_dim * kernel + heads * (5 * dstate * headdim + 3 * chunk * headdim) + 3 * groups * chunk * dstate
 
 
 def _geometry(zxbcdt: torch.Tensor, conv_w: torch.Tensor, D: torch.Tensor, headdim: int, groups: int
@@ -59,25 +64,27 @@ def _geometry(zxbcdt: torch.Tensor, conv_w: torch.Tensor, D: torch.Tensor, headd
 @torch.library.custom_op("fsdp_planner::mamba_conv_scan", mutates_args=())
 def _forward(zxbcdt: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None, dt_bias: torch.Tensor,
              A: torch.Tensor, D: torch.Tensor, norm_w: torch.Tensor | None, headdim: int, groups: int, chunk: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> list[torch.Tensor]:
     """(y: the normed, gated scan output the output projection reads; the scan's output before the norm; the norm's
-    reciprocal std; the chunk states; each group's chunk-by-chunk C.B^T): mamba_ssm's conv and scan kernels. Run
-    only on planned tensors."""
+    reciprocal std; then what the kernels write and drop: the conv's output, the chunk states in fp32 and in the
+    input's dtype, each group's chunk-by-chunk C.B^T in fp32): mamba_ssm's conv and scan kernels. Run only on
+    planned tensors."""
     raise RuntimeError("fsdp_planner::mamba_conv_scan stands for mamba_ssm's kernels on planned tensors only")
 
 
 @_forward.register_fake
 def _forward_fake(zxbcdt: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None, dt_bias: torch.Tensor,
                   A: torch.Tensor, D: torch.Tensor, norm_w: torch.Tensor | None, headdim: int, groups: int, chunk: int
-                  ) -> tuple[torch.Tensor, ...]:
+                  ) -> list[torch.Tensor]:
     batch, seq, _ = zxbcdt.shape
     heads, dim, dstate, d_nonssm = _geometry(zxbcdt, conv_w, D, headdim, groups)
     chunks = -(-seq // chunk)
     normed = batch * seq * groups if norm_w is not None else 0
-    return (zxbcdt.new_empty(batch, seq, d_nonssm + dim), zxbcdt.new_empty(batch, seq, heads, headdim),
-            zxbcdt.new_empty(normed, dtype=torch.float32),
-            zxbcdt.new_empty(batch, chunks, heads, headdim, dstate, dtype=torch.float32),
-            zxbcdt.new_empty(batch, chunks, groups, chunk, chunk, dtype=torch.float32))
+    states = (batch, chunks, heads, headdim, dstate)
+    return [zxbcdt.new_empty(batch, seq, d_nonssm + dim), zxbcdt.new_empty(batch, seq, heads, headdim),
+            zxbcdt.new_empty(normed, dtype=torch.float32), zxbcdt.new_empty(batch, seq, conv_w.shape[0]),
+            zxbcdt.new_empty(states, dtype=torch.float32), zxbcdt.new_empty(states),
+            zxbcdt.new_empty(batch, chunks, groups, chunk, chunk, dtype=torch.float32)]
 
 
 @torch.library.custom_op("fsdp_planner::mamba_conv_scan_backward", mutates_args=())
@@ -126,14 +133,21 @@ def _backward_flops(d_y_shape: tuple, zxbcdt_shape: tuple, conv_w_shape: tuple, 
 
 def backward_workspace(zxbcdt: torch.Tensor, conv_w: torch.Tensor, D: torch.Tensor, headdim: int, groups: int,
                        chunk: int) -> int:
-    """Bytes mamba_ssm's backward allocates besides its outputs: the conv's output made again and its gradient
-    (``xBC_conv``, ``dxBC``), the chunk states and their gradients, and C.B^T and its gradient (fp32)."""
+    """Bytes mamba_ssm's backward holds besides its outputs at its peak: the conv's output made again and its
+    gradient, the norm backward's dx (alive through the scan's backward), ``ddAcs_stable``'s fp32 buffer, and the
+    larger of its two moments: the state passing's (the chunk states and their gradients in fp32, each with a copy
+    in the input's dtype beside it) and C.B^T's (its fp32 product, two buffers of its gradient, and the fp32 dB and
+    dC partial sums)."""
     batch, seq, _ = zxbcdt.shape
-    heads, _, dstate, _ = _geometry(zxbcdt, conv_w, D, headdim, groups)
+    heads, dim, dstate, _ = _geometry(zxbcdt, conv_w, D, headdim, groups)
     chunks = -(-seq // chunk)
-    conv = 2 * batch * seq * conv_w.shape[0] * zxbcdt.element_size()
-    fp32 = 2 * batch * chunks * (heads * headdim * dstate + groups * chunk * chunk) * 4
-    return conv + fp32
+    itemsize = zxbcdt.element_size()
+    conv = 2 * batch * seq * conv_w.shape[0] * itemsize
+    norm_dx = batch * seq * dim * itemsize
+    dda = batch * heads * chunks * -(-chunk // 32) * chunk * 4
+    states = 2 * batch * chunks * heads * headdim * dstate * (4 + itemsize)
+    cb = 3 * batch * chunks * groups * chunk * chunk * 4 + 2 * batch * seq * groups * dstate * 4
+    return conv + norm_dx + dda + max(states, cb)
 
 
 class _SplitConv1dScan(torch.autograd.Function):
@@ -143,7 +157,8 @@ class _SplitConv1dScan(torch.autograd.Function):
     def forward(ctx: Any, zxbcdt: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None,
                 dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, norm_w: torch.Tensor | None,
                 out_w: torch.Tensor | None, out_b: torch.Tensor | None, shape: tuple[int, int, int]) -> torch.Tensor:
-        y, out_x, rstd, _, _ = _forward(zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, *shape)
+        y, out_x, rstd = _forward(zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, *shape)[:3]  # (the kernels'
+        # own buffers die here, as mamba_ssm frees them before the norm)
         out = F.linear(y, out_w, out_b) if out_w is not None else y
         ctx.save_for_backward(zxbcdt, conv_w, conv_b, out_x, A, D, dt_bias, norm_w, rstd, out_w)
         ctx.shape, ctx.has_out_bias = shape, out_b is not None
@@ -192,20 +207,18 @@ def fused_scan(entry: Callable[..., Any]) -> Callable[..., Any]:
 
 def install(model: nn.Module) -> int:
     """Wrap the fused Mamba-2 entry point of every modeling module ``model``'s classes come from (``fused_scan``),
-    once per module; how many of ``model``'s modules are Mamba-2 mixers that take it (0: none)."""
-    for module in _modules(model):
+    once per module; how many modeling modules have it (0: none)."""
+    found = _modules(model)
+    for module in found:
         entry = getattr(module, FUSED)
         if not getattr(entry, "__wrapped_by_fsdp_planner__", False):
             setattr(module, FUSED, fused_scan(entry))
-    return mixers(model)[0]
+    return len(found)
 
 
-def mixers(model: nn.Module) -> tuple[int, int]:
-    """How many of ``model``'s modules are Mamba-2 mixers: (whose modeling module has the fused entry point, whose
-    has not: a transformers version without it traces its PyTorch reference)."""
-    fused = [callable(getattr(sys.modules.get(type(m).__module__), FUSED, None)) for m in model.modules()
-             if _mixer(m)]
-    return sum(fused), len(fused) - sum(fused)
+def mixers(model: nn.Module) -> int:
+    """How many of ``model``'s modules are Mamba-2 mixers (``_mixer``)."""
+    return sum(1 for m in model.modules() if _mixer(m))
 
 
 def _modules(model: nn.Module) -> list[Any]:
@@ -219,6 +232,8 @@ def _modules(model: nn.Module) -> list[Any]:
 
 
 def _mixer(module: nn.Module) -> bool:
-    """A Mamba-2 mixer by what transformers' hold: a depthwise conv1d, the decay ``A_log`` and the skip ``D``."""
-    return isinstance(getattr(module, "conv1d", None), nn.Conv1d) and \
-        all(isinstance(getattr(module, name, None), torch.Tensor) for name in ("A_log", "D"))
+    """A Mamba-2 mixer by what transformers' hold: a depthwise conv1d, the skip ``D`` and the decay ``A_log``, one per
+    head (Mamba-1's mixers hold one per channel and state: a matrix)."""
+    a_log = getattr(module, "A_log", None)
+    return isinstance(getattr(module, "conv1d", None), nn.Conv1d) and isinstance(a_log, torch.Tensor) and \
+        a_log.dim() == 1 and isinstance(getattr(module, "D", None), torch.Tensor)

@@ -76,7 +76,10 @@ ATTENTION_WORDS = ("scaled_dot_product", "flash", "attention", "fmha", "attn", "
                    "scaled_dot_kkt", "solve_tril", "merge_16x16")
 # (not "conv" alone: cuDNN's attention backward converts dQ in "cudnn::fusion::convert_dq_to_16bits", a copy)
 GPU_MATMUL_WORDS = ("gemm", "cutlass", "xmma", "cublas", "matmul", "gemv", "sm90_", "sm80_", "ampere_", "hopper_",
-                    "wgmma", "convolution", "convolve", "conv1d", "conv2d", "conv3d", "conv_depthwise")
+                    "wgmma", "convolution", "convolve", "conv1d", "conv2d", "conv3d", "conv_depthwise",
+                    # mamba_ssm's scan kernels (mamba_ssm/ops/triton/ssd_*.py), which the simulator times as one op
+                    # of FLOPs (``mamba_scan.py``): the matmul class of a trace's ops
+                    "_chunk_scan_", "_chunk_state_", "_bmm_chunk_", "_state_passing_")
 GLOO_KINDS = {"c10d::_allgather_base_": CollectiveKind.ALL_GATHER, "c10d::allgather_": CollectiveKind.ALL_GATHER,
               "c10d::allgather_into_tensor_coalesced_": CollectiveKind.ALL_GATHER,
               "c10d::_reduce_scatter_base_": CollectiveKind.REDUCE_SCATTER,

@@ -64,6 +64,7 @@ from fsdp_planner.trace.events import (
     ATTENTION_KERNELS,
     KERNEL_EP_ALL_TO_ALL,
     KERNEL_LINEAR_ATTENTION,
+    KERNEL_MAMBA_SCAN,
     KERNEL_OTHER,
     TP_KERNELS,
 )
@@ -165,7 +166,7 @@ def simulated_classes(trace: Trace) -> np.ndarray:
     collective of a rank's view: ``NO_CLASS``). An op of no named kernel that has FLOPs is a convolution: a matmul,
     as a trace's cuDNN/CUTLASS kernels and CPU ``aten::conv2d`` ops are read (``kineto.op_class``)."""
     kernel = trace.index.op_kernel
-    matmul = (kernel > 0) | ((kernel == KERNEL_OTHER) & (trace.index.op_flops > 0))
+    matmul = (kernel > 0) | (kernel == KERNEL_MAMBA_SCAN) | ((kernel == KERNEL_OTHER) & (trace.index.op_flops > 0))
     classes = np.where(matmul, 0, np.where(np.isin(kernel, ATTENTION_CLASS), 1, 2))
     return np.where(np.isin(kernel, (*TP_KERNELS, KERNEL_EP_ALL_TO_ALL)), NO_CLASS, classes)
 

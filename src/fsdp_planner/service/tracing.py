@@ -28,7 +28,7 @@ from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.compiled import alike_blocks
 from fsdp_planner.trace.compiled_loss import LossInputs, capturing, with_compiled_loss
-from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION
+from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN
 from fsdp_planner.trace.failures import LOSS, failed_at
 from fsdp_planner.trace.recorder import default_loss, record, record_compiled, record_compiled_loss
 from fsdp_planner.trace.records import Trace
@@ -64,7 +64,7 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
     encoder = hf.encoder_note(lm.model) if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr, lm.model),
-                 mamba_note(lm.model), routing_note(spec, routed[0]),
+                 mamba_note(tr, lm.model), routing_note(spec, routed[0]),
                  own_checkpointing_note(lm.own_checkpointing), positions, encoder,
                  hf.version_note() if hf.is_hf(spec.name) else None):
         if line:
@@ -375,13 +375,14 @@ def linear_attention_note(tr: Trace, model: nn.Module) -> str | None:
             "attention's efficiency (FLA's published benchmark)")
 
 
-def mamba_note(model: nn.Module) -> str | None:
-    """Which path the trace took for Mamba-2's mixers (None: the model has none)."""
-    fused, reference = mixers(model)
-    if reference:
-        return (f"{reference:,} Mamba-2 mixers traced as transformers' PyTorch reference, which saves fp32 "
-                "chunk-by-chunk matrices, not mamba_ssm's fused function a GPU trains with: their activations are "
-                "far above a GPU's (this transformers has no fused entry point fsdp-planner stands in for)")
+def mamba_note(tr: Trace, model: nn.Module) -> str | None:
+    """Which path the trace took for Mamba-2's mixers (None: the model has none): the stand-in's calls counted."""
+    count = mixers(model)
+    fused = sum(1 for e in tr.events if e.is_op and not e.backward and e.kernel == KERNEL_MAMBA_SCAN)
+    if count > fused:
+        return (f"{count - fused:,} of {count:,} Mamba-2 mixers traced as transformers' PyTorch reference, which "
+                "saves fp32 chunk-by-chunk matrices, not as mamba_ssm's fused function a GPU trains with: their "
+                "activations are far above a GPU's (a cache (use_cache) or a transformers calling another path)")
     if not fused:
         return None
     return (f"{fused:,} Mamba-2 mixers traced as mamba_ssm's fused function (mamba_split_conv1d_scan_combined, what "

@@ -70,6 +70,9 @@ KERNEL_TP_RELAYOUT = -8
 # Gated DeltaNet's chunked linear attention as flash-linear-attention's kernels run it (``linear_attention.py``):
 # its FLOPs at a share of a fused attention kernel's efficiency
 KERNEL_LINEAR_ATTENTION = -9
+# Mamba-2's conv and chunked-scan kernels as mamba_ssm runs them (``mamba_scan.py``): FLOPs at the matmul efficiency,
+# bytes at the memory one, as a matmul's; never fused by inductor
+KERNEL_MAMBA_SCAN = -10
 
 
 class OwnCall(NamedTuple):
