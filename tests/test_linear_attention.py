@@ -151,3 +151,20 @@ def test_layers_that_ran_the_reference_are_said(tmp_path, monkeypatch):
     tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
     said = linear_attention_note(tr, lm.model)
     assert said is not None and said.startswith("3 gated DeltaNet layers traced as transformers' PyTorch reference")
+
+
+def test_a_mixer_with_no_stand_in_is_said(tmp_path):
+    """Kimi Linear's delta attention (FLA's chunk_kda) has no stand-in: traced as transformers' reference loop, which a
+    note says (transformers' own warning of it is quieted with the others)."""
+    from fsdp_planner.service.tracing import linear_attention_note
+
+    config = {"model_type": "kimi_linear", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "num_experts": 4, "num_experts_per_token": 2, "kv_lora_rank": 16,
+              "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16, "linear_head_dim": 16,
+              "linear_num_heads": 4, "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    path = tmp_path / "kimi.json"
+    path.write_text(json.dumps(config))
+    tr = traced(f"hf:{path}", 128)
+    said = linear_attention_note(tr, load_model(f"hf:{path}").model)
+    assert said is not None and said.startswith("2 Kimi delta attention (FLA's chunk_kda) layers traced as")

@@ -21,6 +21,7 @@ to FlashQLA's kernels on SM90 and newer where the ``flash_qla`` package is insta
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -177,6 +178,23 @@ def install(model: nn.Module) -> int:
         if callable(own) and not getattr(own, "__wrapped_by_fsdp_planner__", False):
             setattr(m, ATTRIBUTE, chunk_rule(own))
     return runs
+
+
+# transformers' PyTorch references of linear-time mixers with no stand-in here: a layer calling one runs it while
+# planned (a loop over chunks that saves each), which a note says
+UNSTOOD = {"chunk_kimi_delta_attention": "Kimi delta attention (FLA's chunk_kda)"}
+
+
+def reference_only(model: nn.Module) -> dict[str, int]:
+    """Of ``UNSTOOD``, the references ``model``'s layers call (their forward names one): label -> layers."""
+    found: dict[str, int] = {}
+    for m in model.modules():
+        forward = inspect.unwrap(type(m).forward)
+        names = getattr(getattr(forward, "__code__", None), "co_names", ())
+        for reference, label in UNSTOOD.items():
+            if reference in names:
+                found[label] = found.get(label, 0) + 1
+    return found
 
 
 def layers(model: nn.Module) -> int:

@@ -360,7 +360,14 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
 
 
 def linear_attention_note(tr: Trace, model: nn.Module) -> str | None:
-    """Which kernels the trace took for gated DeltaNet's linear attention (None: the step has none)."""
+    """Which kernels the trace took for gated DeltaNet's linear attention (None: the step has none); a mixer with no
+    stand-in said too."""
+    unstood = linear_attention.reference_only(model)
+    if unstood:
+        said = ", ".join(f"{n:,} {label} layers" for label, n in unstood.items())
+        return (f"{said} traced as transformers' PyTorch reference (a loop over 64-token chunks, each chunk's "
+                "intermediates saved), which fsdp-planner has no stand-in for: their time and memory are far above "
+                "a GPU's running flash-linear-attention's kernels")
     calls = sum(1 for e in tr.events if e.is_op and not e.backward and e.kernel == KERNEL_LINEAR_ATTENTION)
     if not calls and linear_attention.layers(model):  # (a transformers whose layers call the rule otherwise)
         return (f"{linear_attention.layers(model):,} gated DeltaNet layers traced as transformers' PyTorch reference "
