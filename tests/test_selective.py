@@ -370,3 +370,49 @@ def test_transformers_experts_under_the_2026_list_decide_as_their_real_grouped_m
     assert [tr.events[i].op_class for i in call.kept] == real_saved
     assert OpClass.TOPK in real_saved and OpClass.COMPUTE_MORE not in real_saved
     assert OpClass.ROUTER_MM in {tr.events[i].op_class for i in call.recomputed(tr)}
+
+
+# transformers' Qwen3-MoE, tiny: its router divides the top-k weights in place (``router_top_value /= ...``) where
+# it renormalises them, as Qwen3-30B-A3B's config asks
+TINY_QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                  "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                  "norm_topk_prob": True, "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("qwen3moe") / "config.json"
+    path.write_text(json.dumps(TINY_QWEN3_MOE))
+    return f"hf:{path}"
+
+
+def test_a_router_modifying_its_saved_topk_refuses_the_policy_that_saves_it(qwen3_moe, capsys):
+    """A new user's trial: ``--ac op`` on transformers' Qwen MoE models was planned without a word, and real FSDP2
+    (fake ranks, gloo) then raised "Tensor cached during selective activation checkpoint has been mutated": the
+    titan policy saves topk's outputs, which the router divides in place. The trace sees it; the plan names the
+    router and the way out, titan-2025 (no topk saved) plans, and auto checkpoints those blocks in full only."""
+    tr = traced(qwen3_moe)
+    assert [m for m, i in tr.modules.items() if i.topk_modified] == ["model.layers.0.mlp.gate",
+                                                                     "model.layers.1.mlp.gate"]
+    assert main(["plan", qwen3_moe, "--policy", "titan", "--ac", "op", "--cluster", "h100:8"]) == 2
+    err = capsys.readouterr().err
+    assert "'model.layers.0.mlp.gate' modifies its topk's outputs in place" in err and "titan-2025" in err
+    assert main(["plan", qwen3_moe, "--policy", "titan", "--ac", "op", "--ac-policy", "titan-2025", "--cluster",
+                 "h100:8", "--json"]) == 0
+    # what auto's checkpointing search asks of each block (op-level there only where no such router is inside)
+    from fsdp_planner.fsdp2.checkpointing import modified_topk
+
+    assert modified_topk(tr, "model.layers.1", SacPolicy.TITAN) == "model.layers.1.mlp.gate"
+    assert modified_topk(tr, "model.layers.1", SacPolicy.TITAN_2025) is None
+    assert modified_topk(tr, "model.layers.1.self_attn", SacPolicy.TITAN) is None
+
+
+@pytest.mark.integration
+def test_the_policy_that_saves_no_topk_runs_on_fake_ranks(qwen3_moe):
+    from conftest import run_main
+
+    r = run_main("verify", qwen3_moe, "--policy", "titan", "--ac", "op", "--ac-policy", "titan-2025",
+                 "--fake-world-size", "8", "--cluster", "h100:8")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr

@@ -38,9 +38,9 @@ import torch.nn as nn
 from fsdp_planner.choices import ACMode, Offloaded, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import printable_name
-from fsdp_planner.fsdp2.selective import sac_context_fn
+from fsdp_planner.fsdp2.selective import POLICIES, sac_context_fn
 from fsdp_planner.fsdp2.tensor_parallel import matches
-from fsdp_planner.trace.events import EventKind, OwnCall
+from fsdp_planner.trace.events import EventKind, OpClass, OwnCall
 from fsdp_planner.trace.ops import router_shapes
 from fsdp_planner.trace.tree import ROOT, is_within
 
@@ -132,12 +132,28 @@ def check_checkpointing(plan: Plan, trace: Trace) -> None:
             which = f"{field(outer)} names too" if offloaded else "is checkpointed too"
             raise PlannerError(f"{field(m)} names '{m}' inside '{outer}', which {which}; name one of them")
     inside_selective(plan)
+    for m, policy in plan.selective_checkpointing.items():
+        if (router := modified_topk(trace, m, policy)) is not None:
+            raise PlannerError(f"selective_checkpointing names '{m}', whose '{router}' modifies its topk's outputs in "
+                               f"place (the top-k weights divided in place, as transformers' Qwen MoE routers do), "
+                               f"and the {policy.value} policy saves topk's outputs: torch.utils.checkpoint refuses "
+                               "a saved tensor modified in place (\"Tensor cached during selective activation "
+                               f"checkpoint has been mutated\"); checkpoint '{m}' in full, or op-level with "
+                               "--ac-policy titan-2025, which saves no topk")
     offloaded_own = next(((m, own) for m in plan.activation_offloading if (own := own_overlap(trace, m))), None)
     if offloaded_own is not None:
         m, own = offloaded_own
         raise PlannerError(f"activation_offloading names '{m}', and the model checkpoints '{own}' itself "
                            "(torch.utils.checkpoint): offloading inside or around the model's own checkpoint is not "
                            "modelled (measured 13-51% off on 8 fake ranks); plan without --ac offload")
+
+
+def modified_topk(trace: Trace, module: str, policy: SacPolicy) -> str | None:
+    """The module inside ``module`` (or itself) whose ``topk`` outputs the step modifies in place, where ``policy``
+    saves topk's outputs (op-level checkpointing of ``module`` then fails); None where none does or it saves none."""
+    if OpClass.TOPK not in POLICIES[policy].saves:
+        return None
+    return next((m for m, info in trace.modules.items() if info.topk_modified and is_within(m, module)), None)
 
 
 def own_overlap(trace: Trace, module: str) -> str | None:

@@ -68,6 +68,8 @@ class ModuleInfo:
     output_modified: bool = False  # an op after a forward call returned modified its output in place (Llama 4's
     # MoE adds the routed experts' sum into its shared expert's output): no TP style can make that output, whose
     # local tensor autograd refuses to modify in place
+    topk_modified: bool = False  # a topk of its forward had its outputs modified in place after (transformers' Qwen
+    # MoE routers divide the top-k weights in place): op-level checkpointing saving topk fails there
     records_outputs: bool = False  # a transformers model whose class lists outputs to record
     # (``_can_record_outputs``: hidden states, attentions), which transformers looks up by str(module.__class__)
 

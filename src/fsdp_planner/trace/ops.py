@@ -282,6 +282,8 @@ class OpRecorder(TorchDispatchMode):
         if func._schema.is_mutable:
             self.slot.written(written_tensors(func, args, kwargs))
         cls = forward_class(func, args, self.router)
+        if cls is OpClass.TOPK:  # a router's choice, which op-level checkpointing saves (``Slot.written``)
+            self.slot.topk_made(recorder.current_module(), flat_out)
         if cls is OpClass.ATTENTION_MASK:
             recorder.mask_made(flat_out)
         if cls is not OpClass.OTHER:  # one an op-level policy can keep (``Event.made_at``)

@@ -202,6 +202,10 @@ class ActionLog(StepRecorder):
         if inside:
             self._log(("modified_output", inside))
 
+    def modified_topk(self, fqn: str) -> None:
+        if fqn.startswith(self.prefix):
+            self._log(("modified_topk", fqn[len(self.prefix):]))
+
     def own_region(self, begin: bool, reentrant: bool = False) -> None:
         self._log(("own_region", begin, reentrant))  # a replay tells the step's recorder where it lies among the calls
 
@@ -869,6 +873,8 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             main.modified_input(prefix + action[1])
         elif kind == "modified_output":
             main.modified_output(tuple(prefix + f for f in action[1]))
+        elif kind == "modified_topk":
+            main.modified_topk(prefix + action[1])
         else:  # save
             source, nbytes, mask = action[1], action[2], action[3]
             main.save(_source_ref(sources, source), nbytes, mask=mask,

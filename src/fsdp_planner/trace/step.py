@@ -74,6 +74,7 @@ class StepRecorder:
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
         # modules whose call's output an op after it returned modified in place (``Slot.returned_by``)
         self.modified_outputs: set[str] = set()
+        self.modified_topks: set[str] = set()  # modules whose topk's outputs were modified in place (``Slot``)
         # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
         self.check_methods: Callable[[tuple[int, ...], Sequence[str]], None] | None = None
         self.method_calls: dict[Call, str] = {}  # module calls that were a wrapped non-forward method (methods.py)
@@ -465,6 +466,11 @@ class StepRecorder:
         style can return it (a DTensor's local tensor is a view autograd refuses to modify in place)."""
         self.modified_outputs.update(fqns)
 
+    def modified_topk(self, fqn: str) -> None:
+        """What a ``topk`` in ``fqn`` returned was modified in place after (transformers' Qwen MoE routers divide
+        the top-k weights in place): op-level checkpointing that saves topk fails there."""
+        self.modified_topks.add(fqn)
+
     def exit_forward(self, fqn: str, grads_nbytes: int = 0, replayed: tuple[int, int] | None = None) -> int:
         """The call ends; ``grads_nbytes``: its grad-requiring outputs' bytes; ``replayed``: its ``Event.held``
         and ``rise`` as a replayed template recorded them."""
@@ -796,6 +802,9 @@ class NullRecorder(StepRecorder):
     def modified_output(self, fqns: tuple[str, ...]) -> None:
         pass
 
+    def modified_topk(self, fqn: str) -> None:
+        pass
+
     def call_inputs(self, fqn: str, tensors: list[torch.Tensor], holder: bool) -> tuple[int, int, tuple]:
         return 0, 0, ()
 
@@ -816,6 +825,13 @@ class Slot:
         # the storages forward calls returned -> the modules that returned them (a call returning its child's output
         # as-is too; a replayed call's inner ones from its template), whichever recorder saw the call
         self.returned_by: dict[StorageWeakRef, tuple[str, ...]] = {}
+        self.topk_by: dict[StorageWeakRef, str] = {}  # the storages topk made -> the module it ran in
+
+    def topk_made(self, fqn: str, tensors: Iterable[Any]) -> None:
+        """A ``topk`` in ``fqn`` made ``tensors`` (its values and indices)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.topk_by[StorageWeakRef(t.untyped_storage())] = fqn
 
     def returned(self, fqn: str, tensors: Iterable[torch.Tensor]) -> None:
         """A forward call of ``fqn`` returned ``tensors``. (The weak reference kept keeps the storage's address
@@ -831,6 +847,9 @@ class Slot:
         again (a call writing its own earlier output), are told to the recorder (``modified_output``)."""
         running = set(self.recorder.fwd_stack)
         for t in tensors:
-            fqns = tuple(f for f in self.returned_by.get(StorageWeakRef(t.untyped_storage()), ()) if f not in running)
+            ref = StorageWeakRef(t.untyped_storage())
+            fqns = tuple(f for f in self.returned_by.get(ref, ()) if f not in running)
             if fqns:
                 self.recorder.modified_output(fqns)
+            if ref in self.topk_by:  # (op-level checkpointing's cache of it would be modified: torch refuses)
+                self.recorder.modified_topk(self.topk_by[ref])

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_planner.choices import SacPolicy
+from fsdp_planner.fsdp2.checkpointing import modified_topk
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator
 
@@ -72,6 +73,9 @@ class CheckpointSearch:
     def __init__(self, ev: Evaluator, blocks: list[str], start: Candidate, policy: SacPolicy) -> None:
         self.ev, self.blocks, self.start, self.policy = ev, blocks, start, policy
         self.tried: dict[Setting, Candidate] = {}
+        # op-level checkpointing fails on a block whose router modifies the topk outputs the policy saves
+        # (``check_checkpointing``): those blocks' model is searched in full alone
+        self.op_level = not any(modified_topk(ev.trace, b, policy) for b in blocks)
 
     def choose(self, fewest_full: int) -> Choice:
         """The fastest fitting setting (ties: less memory, then fewer full blocks); ``fewest_full``: the fewest
@@ -105,7 +109,7 @@ class CheckpointSearch:
 
     def _least_op(self, full: int) -> Setting | None:
         """The fewest op-level blocks after the first ``full`` in full that fit; None when even all do not."""
-        lo, hi = 0, len(self.blocks) - full
+        lo, hi = 0, len(self.blocks) - full if self.op_level else 0
         if not self._fits(Setting(full, hi)):
             return None
         while lo < hi:
