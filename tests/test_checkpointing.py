@@ -145,8 +145,9 @@ def test_ep_expert_groups_inside_an_op_level_checkpointed_layer_read_back(tmp_pa
                          "num_experts=8", "vocab_size=1024") for x in ("--hf-config", kv)]
     job = ["hf:qwen3-30b-a3b", *tiny, "--batch", "2", "--seq", "64"]
     out = tmp_path / "plan.json"
-    assert main(["plan", *job, "--policy", "titan", "--ac", "op", "--ep", "2", "--cluster", "h100:4",
-                 "--out", str(out)]) == 0
+    # (titan-2025: transformers' Qwen3-MoE router modifies its topk's outputs, which titan's list saves)
+    assert main(["plan", *job, "--policy", "titan", "--ac", "op", "--ac-policy", "titan-2025", "--ep", "2",
+                 "--cluster", "h100:4", "--out", str(out)]) == 0
     plan = Plan.load(out)
     assert plan.selective_checkpointing and plan.expert_parallel is not None
     assert main(["check", *job, "--plan", str(out)]) == 0

@@ -17,6 +17,7 @@ from torch import nn
 from fsdp_planner.choices import ACMode
 from fsdp_planner.configs.job_config import TITAN_OPTIMIZERS, TITAN_SUFFIXES
 from fsdp_planner.configs.torchtitan_registry import TITAN_MODELS
+from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.planners.config_edit import job_ac, keeps_torchtitan_groups, reshard_rule
@@ -163,8 +164,8 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
                        f"data-parallel ranks x {plan.workload.micro_batches})")
     full, op = plan.activation_checkpointing, plan.selective_checkpointing
     if full and op:
-        out.append(f"the plan checkpoints {len(full)} modules in full and {len(op)} op-level; torchtitan's job "
-                   "checkpoints every block one way (selective here)")
+        out.append(f"the plan checkpoints {fmt_count(len(full), 'module')} in full and {len(op)} op-level; "
+                   "torchtitan's job checkpoints every block one way (selective here)")
     elif modules is not None and (full or op) and (blocks := _alike(full or op, modules)) > len(full or op):
         out.append(f"the plan checkpoints {len(full or op)} of the model's {blocks} blocks; torchtitan's job "
                    f"checkpoints every block ({'selective' if op else 'full'})")

@@ -404,9 +404,9 @@ def _block_options(result: AutoResult, trace: Trace, cluster: Cluster, options: 
     not shrink, and can be slower under EP than the expert's (Qwen3.5-397B-A17B on 256 H100s, EP 64: auto's groups
     5.86 s a step on HSDP 2x128, titan's with every block checkpointed 5.56 s on 1x256)."""
     titan = next((c for name, c in result.baselines.items() if name.startswith("titan")), None)
-    ranked = sorted((o for o in found if o.degree > 1),
+    ranked = sorted((o for o in found if o.degree > 1 and o.plan.tp_degree == 1),
                     key=lambda o: (not result.memory.fits(o.step.reserved_memory), o.step.step_time))
-    if titan is None or not ranked:
+    if titan is None or not ranked or trace.tensor_parallel or titan.plan.tp_degree > 1:  # (TP's EP: its own screen)
         return []
     blocks = block_instances(trace)
     groups = [replace(g, forward_prefetch=(), backward_prefetch=()) for g in titan.plan.groups]
@@ -419,8 +419,11 @@ def _block_options(result: AutoResult, trace: Trace, cluster: Cluster, options: 
                 continue
             tried.add((like.degree, mesh, ep.per_param_mesh))
             plan = titan.plan.replace(mesh=mesh, activation_checkpointing=(), selective_checkpointing={}, groups=groups)
-            ep_plan = with_expert_parallel(plan, trace, like.degree, ep.skew, plan.shard_size(cluster.world_size),
-                                           per_param_mesh=ep.per_param_mesh)
+            try:
+                ep_plan = with_expert_parallel(plan, trace, like.degree, ep.skew, plan.shard_size(cluster.world_size),
+                                               per_param_mesh=ep.per_param_mesh)
+            except PlannerError:  # (a degree the layout's shard ranks do not take)
+                continue
             key = ep_plan.expert_parallel.signature()
             if key not in views:
                 views[key] = ep_view(trace, ep_plan).trace

@@ -72,9 +72,8 @@ class StepRecorder:
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
-        # modules whose call's output an op after it returned modified in place (``Slot.returned_by``)
-        self.modified_outputs: set[str] = set()
-        self.modified_topks: set[str] = set()  # modules whose topk's outputs were modified in place (``Slot``)
+        # modules whose output an op after their call modified in place, and whose topk's outputs one did (``Slot``)
+        self.modified_outputs, self.modified_topks = set[str](), set[str]()
         # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
         self.check_methods: Callable[[tuple[int, ...], Sequence[str]], None] | None = None
         self.method_calls: dict[Call, str] = {}  # module calls that were a wrapped non-forward method (methods.py)

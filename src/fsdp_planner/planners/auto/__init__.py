@@ -50,7 +50,13 @@ from fsdp_planner.planners.auto.candidates import (
     frugal_and_dp,
     root_plan,
 )
-from fsdp_planner.planners.auto.checkpointing import CheckpointSearch, Choice, Setting, setting_view
+from fsdp_planner.planners.auto.checkpointing import (
+    CheckpointSearch,
+    Choice,
+    Setting,
+    op_level_runs,
+    setting_view,
+)
 from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
@@ -622,7 +628,8 @@ class AutoPolicy:
         if start is None:
             return None
         fewest = self._fewest_checkpointed(ev, blocks, start)
-        return CheckpointSearch(ev, blocks, start, self.sac_policy).choose(fewest)
+        return CheckpointSearch(ev, blocks, start, self.sac_policy,
+                                op_level_runs(ev.trace, blocks, self.sac_policy)).choose(fewest)
 
     def _preferred(self, search: Search, best: Candidate, classics: list[Candidate]) -> Candidate:
         """Among the plans as fast as ``best`` (within a slack) and no slower than any of ``classics``, one whose

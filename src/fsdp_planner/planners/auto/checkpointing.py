@@ -20,6 +20,7 @@ from fsdp_planner.choices import SacPolicy
 from fsdp_planner.fsdp2.checkpointing import modified_topk
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator
+from fsdp_planner.trace.records import Trace
 
 GRID = 5  # counts of full blocks tried first, evenly spaced from 0 to the fewest that fit in full alone
 
@@ -67,15 +68,21 @@ class Choice:
         return "; ".join(parts)
 
 
+def op_level_runs(trace: Trace, blocks: list[str], policy: SacPolicy) -> bool:
+    """Whether every block of ``blocks`` can be checkpointed op-level with ``policy``: op-level checkpointing fails on
+    one whose router modifies the topk outputs the policy saves (``check_checkpointing``)."""
+    return not any(modified_topk(trace, b, policy) for b in blocks)
+
+
 class CheckpointSearch:
     """The fastest setting of full and op-level checkpointing of the leading blocks that lets ``start`` fit."""
 
-    def __init__(self, ev: Evaluator, blocks: list[str], start: Candidate, policy: SacPolicy) -> None:
-        self.ev, self.blocks, self.start, self.policy = ev, blocks, start, policy
+    def __init__(self, ev: Evaluator, blocks: list[str], start: Candidate, policy: SacPolicy,
+                 op_level: bool = True) -> None:
+        """``op_level``: whether op-level settings are searched (not where a block's router modifies the topk
+        outputs the policy saves: ``op_level_runs``)."""
+        self.ev, self.blocks, self.start, self.policy, self.op_level = ev, blocks, start, policy, op_level
         self.tried: dict[Setting, Candidate] = {}
-        # op-level checkpointing fails on a block whose router modifies the topk outputs the policy saves
-        # (``check_checkpointing``): those blocks' model is searched in full alone
-        self.op_level = not any(modified_topk(ev.trace, b, policy) for b in blocks)
 
     def choose(self, fewest_full: int) -> Choice:
         """The fastest fitting setting (ties: less memory, then fewer full blocks); ``fewest_full``: the fewest
