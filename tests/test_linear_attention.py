@@ -17,6 +17,7 @@ from fsdp_planner import linear_attention as la
 from fsdp_planner.calibrate.kineto import OpClass, op_class
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
+from fsdp_planner.patching import patched
 from fsdp_planner.sim.compute import flop_efficiency
 from fsdp_planner.trace import record
 from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION
@@ -89,16 +90,13 @@ def test_real_tensors_run_transformers_own_reference(tmp_path):
     model = load_model(tiny(tmp_path), meta=False).model
     wrapped = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     assert len(wrapped) == 3
-    module = __import__(type(wrapped[0]).__module__, fromlist=["_"])
+    module = sys.modules[type(wrapped[0]).__module__]
     rule = getattr(module, la.REFERENCE)
     assert getattr(rule, "__wrapped_by_fsdp_planner__", False)
     ids = torch.randint(0, 256, (2, 70))  # 70 tokens: two chunks, the last padded
     got = model(ids).logits
-    setattr(module, la.REFERENCE, rule.__wrapped__)
-    try:
+    with patched(module, la.REFERENCE, rule.__wrapped__):
         want = model(ids).logits
-    finally:
-        setattr(module, la.REFERENCE, rule)
     assert torch.equal(got, want)
 
 
@@ -139,7 +137,7 @@ def test_a_tiny_qwen35_trains_on_two_gloo_ranks_with_parity(tmp_path, monkeypatc
     assert "PASS" in r.stdout
 
 
-def test_layers_that_ran_the_reference_are_said(tmp_path, monkeypatch):
+def test_layers_that_ran_the_reference_are_said(tmp_path):
     """A transformers whose layers call the rule another way (before 5.25: an attribute the layer binds) traces the
     reference: the note says so rather than stay silent."""
     from fsdp_planner.service.tracing import linear_attention_note
@@ -147,8 +145,8 @@ def test_layers_that_ran_the_reference_are_said(tmp_path, monkeypatch):
     lm = load_model(ModelSpec(tiny(tmp_path), batch_size=1, seq_len=128), meta=True)
     layer = next(m for m in lm.model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
     module = sys.modules[type(layer).__module__]
-    monkeypatch.setattr(module, la.REFERENCE, getattr(module, la.REFERENCE).__wrapped__)
-    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    with patched(module, la.REFERENCE, getattr(module, la.REFERENCE).__wrapped__):
+        tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
     said = linear_attention_note(tr, lm.model)
     assert said is not None and said.startswith("3 gated DeltaNet layers traced as transformers' PyTorch reference")
 

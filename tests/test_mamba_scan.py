@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ pytest.importorskip("transformers")
 
 from fsdp_planner import mamba_scan as ms
 from fsdp_planner.models import ModelSpec, load_model
+from fsdp_planner.patching import patched
 from fsdp_planner.trace import record
 from fsdp_planner.workspaces import workspace_bytes
 
@@ -38,6 +40,12 @@ def tiny(tmp_path: Path, config: dict) -> str:
 def traced(spec: str, seq: int):  # type: ignore[no-untyped-def]
     lm = load_model(ModelSpec(spec, batch_size=2, seq_len=seq), meta=True)
     return lm, record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+
+
+def unwrapped(model: torch.nn.Module) -> Any:
+    """Inside, the model's mixers call transformers' own entry point (the planner's wrapper taken off)."""
+    module = sys.modules[type(next(m for m in model.modules() if ms._mixer(m))).__module__]
+    return patched(module, ms.FUSED, getattr(module, ms.FUSED).__wrapped__)
 
 
 def test_a_planned_mixer_saves_what_mamba_ssm_saves(tmp_path):
@@ -66,13 +74,8 @@ def test_the_reference_s_saved_chunk_matrices_are_gone(tmp_path):
     spec = tiny(tmp_path, TINY_MAMBA2)
     _, fused = traced(spec, 512)
     lm = load_model(ModelSpec(spec, batch_size=2, seq_len=512), meta=True)  # (building wraps the entry point)
-    module = sys.modules[type(next(m for m in lm.model.modules() if ms._mixer(m))).__module__]
-    wrapper = getattr(module, ms.FUSED)
-    setattr(module, ms.FUSED, wrapper.__wrapped__)
-    try:
+    with unwrapped(lm.model):
         reference = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
-    finally:
-        setattr(module, ms.FUSED, wrapper)
 
     def mixer_saved(tr) -> int:  # type: ignore[no-untyped-def]
         return sum(e.saved for e in tr.events if e.is_op and not e.backward and e.module.endswith(".mixer"))
@@ -84,15 +87,11 @@ def test_real_tensors_take_transformers_own_path(tmp_path):
     torch.manual_seed(0)
     model = load_model(tiny(tmp_path, TINY_NEMOTRON_H), meta=False).model
     module = sys.modules[type(next(m for m in model.modules() if ms._mixer(m))).__module__]
-    wrapper = getattr(module, ms.FUSED)
-    assert getattr(wrapper, "__wrapped_by_fsdp_planner__", False) and ms.mixers(model) == 2
+    assert getattr(getattr(module, ms.FUSED), "__wrapped_by_fsdp_planner__", False) and ms.mixers(model) == 2
     ids = torch.randint(0, 256, (2, 40))
     got = model(ids).logits
-    setattr(module, ms.FUSED, wrapper.__wrapped__)
-    try:
+    with unwrapped(model):
         want = model(ids).logits
-    finally:
-        setattr(module, ms.FUSED, wrapper)
     assert torch.equal(got, want)
 
 
@@ -121,13 +120,8 @@ def test_the_note_counts_the_mixers_the_trace_ran_fused_and_mamba_1_has_none(tmp
     assert ms.mixers(lm.model) == 0 and mamba_note(tr, lm.model) is None
     lm, tr = traced(tiny(tmp_path, TINY_NEMOTRON_H), 64)
     assert mamba_note(tr, lm.model).startswith("2 Mamba-2 mixers traced as mamba_ssm's fused function")
-    module = sys.modules[type(next(m for m in lm.model.modules() if ms._mixer(m))).__module__]
-    wrapper = getattr(module, ms.FUSED)
-    setattr(module, ms.FUSED, wrapper.__wrapped__)
-    try:
+    with unwrapped(lm.model):
         reference = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
-    finally:
-        setattr(module, ms.FUSED, wrapper)
     assert mamba_note(reference, lm.model).startswith("2 of 2 Mamba-2 mixers traced as transformers' PyTorch reference")
 
 
