@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from conftest import launch_env, max_abs_diff, traced
 from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -416,3 +418,79 @@ def test_the_policy_that_saves_no_topk_runs_on_fake_ranks(qwen3_moe):
     r = run_main("verify", qwen3_moe, "--policy", "titan", "--ac", "op", "--ac-policy", "titan-2025",
                  "--fake-world-size", "8", "--cluster", "h100:8")
     assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+
+
+class _Router(nn.Module):
+    """A router renormalising its top-k weights in place in its own forward (transformers 5's MoE routers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, chosen = torch.topk(F.linear(x, self.weight).softmax(-1), 2, dim=-1)
+        weights /= weights.sum(-1, keepdim=True)
+        return weights, chosen
+
+
+class _Returning(nn.Module):
+    """Returns topk's outputs as they are; its caller renormalises them in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.topk(F.linear(x, self.weight).softmax(-1), 2, dim=-1)
+
+
+class _Layer(nn.Module):
+    def __init__(self, router: type[nn.Module]) -> None:
+        super().__init__()
+        self.gate, self.up = router(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, _ = self.gate(x)
+        if isinstance(self.gate, _Returning):
+            weights /= weights.sum(-1, keepdim=True)
+        return x + self.up(x) * weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("router", [_Router, _Returning])
+def test_a_modified_topk_is_seen_in_a_replayed_block_as_in_a_traced_one(router):
+    """A repeated module is traced once and replayed: its own body's topk modified in place, and a topk output it
+    returns that its caller modifies, were missed there (a reviewer's finding) and seen without the replay."""
+    found = []
+    for reuse in (True, False):
+        with torch.device("meta"):
+            model = nn.Sequential(*(_Layer(router) for _ in range(3)))
+        tr = record(model, (torch.randn(2, 8, 16, device="meta"),), lambda out: out.sum(), reuse=reuse)
+        found.append([m for m, info in tr.modules.items() if info.topk_modified])
+    assert found[0] == found[1] == [f"{i}.gate" for i in range(3)]
+
+
+def test_auto_with_op_level_fixed_refuses_such_a_router_as_a_plan_file_is(qwen3_moe, capsys):
+    assert main(["plan", qwen3_moe, "--policy", "auto", "--ac", "op", "--cluster", "h100:8"]) == 2
+    assert "modifies its topk's outputs in place" in capsys.readouterr().err
+
+
+def test_torchtitan_s_own_router_runs_its_selective_checkpointing(tmp_path, capsys):
+    """A torchtitan job is simulated on transformers' modules of its numbers, but torchtitan's router divides out of
+    place: its SelectiveAC saving topk runs, and is not refused (a reviewer's finding)."""
+    job = tmp_path / "config_registry.py"
+    job.write_text("from torchtitan.components.optimizer import default_adamw\n"
+                   "from torchtitan.config import ParallelismConfig, TrainingConfig\n"
+                   "from torchtitan.distributed.activation_checkpoint import SelectiveAC\n"
+                   "from torchtitan.models.qwen3 import model_registry\n"
+                   "from torchtitan.trainer import Trainer\n\n\n"
+                   "def job() -> Trainer.Config:\n"
+                   "    return Trainer.Config(\n"
+                   "        model_spec=model_registry(\"debugmodel_moe\"),\n"
+                   "        optimizer=default_adamw(lr=1e-4),\n"
+                   "        training=TrainingConfig(num_tokens_per_microbatch_per_dp_rank=1024,\n"
+                   "                                max_context_length=512),\n"
+                   "        parallelism=ParallelismConfig(data_parallel_shard_degree=8),\n"
+                   "        activation_checkpoint=SelectiveAC.Config(),\n"
+                   "    )\n")
+    assert main(["simulate", "--from-torchtitan", f"{job}:job", "--cluster", "h100:8", "--json"]) == 0, \
+        capsys.readouterr().err

@@ -14,6 +14,7 @@ from fsdp_planner.cli.common import REPORTER, run_flags, tracer
 from fsdp_planner.cli.requests import plan_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_time, json_text
+from fsdp_planner.fsdp2.checkpointing import titan_routers
 from fsdp_planner.planners.answers import compile_answer, compile_loss_answer, compiled_float8_answer, float8_answer
 from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.service.fit import offload_verdict
@@ -27,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     if args.from_torchtitan or args.from_accelerate:  # the config's job beside auto's, and the keys that differ
         from fsdp_planner.cli.from_config_plan import run_plan
 
-        return run_plan(args)
+        with titan_routers() if args.from_torchtitan else contextlib.nullcontext():
+            return run_plan(args)
     request = plan_request(args)
     job = request.job
     if job.default_cluster is not None:

@@ -4,6 +4,7 @@ timeline (``--timeline`` PNG, ``--html`` page) beside a second plan (``--compare
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from fsdp_planner.cli.requests import (
 from fsdp_planner.configs.torchtitan_registry import PLAN_NAME
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
+from fsdp_planner.fsdp2.checkpointing import titan_routers
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec
@@ -47,6 +49,11 @@ HTML_SUFFIXES = (".html", ".htm")
 
 
 def run(args: argparse.Namespace) -> int:
+    with titan_routers() if args.from_torchtitan else contextlib.nullcontext():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     tp_note = _tp_note(args)  # (before the config's job sets --tp)
     args, config = configured(args)  # --from-torchtitan / --from-accelerate: the config's job over these options
     png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES, force=args.force)

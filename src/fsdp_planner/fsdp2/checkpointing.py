@@ -28,7 +28,9 @@ it, and there is no prefetch; the simulator charges them on the compute stream (
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+import contextlib
+import contextvars
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -132,20 +134,43 @@ def check_checkpointing(plan: Plan, trace: Trace) -> None:
             which = f"{field(outer)} names too" if offloaded else "is checkpointed too"
             raise PlannerError(f"{field(m)} names '{m}' inside '{outer}', which {which}; name one of them")
     inside_selective(plan)
-    for m, policy in plan.selective_checkpointing.items():
-        if (router := modified_topk(trace, m, policy)) is not None:
-            raise PlannerError(f"selective_checkpointing names '{m}', whose '{router}' modifies its topk's outputs in "
-                               f"place (the top-k weights divided in place, as transformers' Qwen MoE routers do), "
-                               f"and the {policy.value} policy saves topk's outputs: torch.utils.checkpoint refuses "
-                               "a saved tensor modified in place (\"Tensor cached during selective activation "
-                               f"checkpoint has been mutated\"); checkpoint '{m}' in full, or op-level with "
-                               "--ac-policy titan-2025, which saves no topk")
+    check_saved_topk(trace, plan.selective_checkpointing)
     offloaded_own = next(((m, own) for m in plan.activation_offloading if (own := own_overlap(trace, m))), None)
     if offloaded_own is not None:
         m, own = offloaded_own
         raise PlannerError(f"activation_offloading names '{m}', and the model checkpoints '{own}' itself "
                            "(torch.utils.checkpoint): offloading inside or around the model's own checkpoint is not "
                            "modelled (measured 13-51% off on 8 fake ranks); plan without --ac offload")
+
+
+_TITAN_ROUTERS: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_planner_titan_routers", default=False)
+
+
+@contextlib.contextmanager
+def titan_routers() -> Iterator[None]:
+    """Inside, the traced model stands for torchtitan's (a ``--from-torchtitan`` job planned or simulated on
+    transformers' modules of the same numbers): torchtitan's routers divide their top-k weights out of place, so its
+    op-level checkpointing saving topk runs (``check_saved_topk`` refuses nothing)."""
+    token = _TITAN_ROUTERS.set(True)
+    try:
+        yield
+    finally:
+        _TITAN_ROUTERS.reset(token)
+
+
+def check_saved_topk(trace: Trace, selective: Mapping[str, SacPolicy]) -> None:
+    """PlannerError where a module checkpointed op-level (``selective``: module -> policy) holds a router that
+    modifies the topk outputs its policy saves (``modified_topk``); not for torchtitan's model (``titan_routers``)."""
+    if _TITAN_ROUTERS.get():
+        return
+    for m, policy in selective.items():
+        if (router := modified_topk(trace, m, policy)) is not None:
+            raise PlannerError(f"op-level checkpointing of '{m}': its '{router}' modifies its topk's outputs in place "
+                               f"(the top-k weights divided in place, as transformers' MoE routers do), and the "
+                               f"{policy.value} policy saves topk's outputs: torch.utils.checkpoint refuses a saved "
+                               "tensor modified in place (\"Tensor cached during selective activation checkpoint has "
+                               f"been mutated\"); checkpoint '{m}' in full, or op-level with --ac-policy titan-2025, "
+                               "which saves no topk")
 
 
 def modified_topk(trace: Trace, module: str, policy: SacPolicy) -> str | None:

@@ -409,16 +409,20 @@ def _block_options(result: AutoResult, trace: Trace, cluster: Cluster, options: 
     if titan is None or not ranked or trace.tensor_parallel or titan.plan.tp_degree > 1:  # (TP's EP: its own screen)
         return []
     blocks = block_instances(trace)
-    groups = [replace(g, forward_prefetch=(), backward_prefetch=()) for g in titan.plan.groups]
+    base = titan.plan.running(result.run)  # (the memory options the search ran with: shard dims, offload)
+    groups = [replace(g, forward_prefetch=(), backward_prefetch=()) for g in base.groups]
+    flat = Mesh.flat(cluster.world_size)
+    searched = {c.plan.mesh or flat for c in result.meshes.values()}  # (a --mesh given: that one alone)
     out = []
     tried = set()
     for like in ranked[:BLOCK_OPTIONS]:
         ep = like.plan.expert_parallel
-        for mesh in dict.fromkeys((like.plan.mesh, None)):
+        for mesh in dict.fromkeys(m for m in (like.plan.mesh or flat, flat) if m in searched):
             if (like.degree, mesh, ep.per_param_mesh) in tried:
                 continue
             tried.add((like.degree, mesh, ep.per_param_mesh))
-            plan = titan.plan.replace(mesh=mesh, activation_checkpointing=(), selective_checkpointing={}, groups=groups)
+            plan = base.replace(mesh=None if mesh == flat else mesh, activation_checkpointing=(),
+                                selective_checkpointing={}, groups=groups)
             try:
                 ep_plan = with_expert_parallel(plan, trace, like.degree, ep.skew, plan.shard_size(cluster.world_size),
                                                per_param_mesh=ep.per_param_mesh)

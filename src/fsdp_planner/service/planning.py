@@ -270,21 +270,28 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
                 return with_own_ep(found, policy, tr, spec.name, cluster, options, note)
             return found
 
-        result = screened(searched, reporter.note)
+        notes: list[str] = []
+        result = screened(searched, notes.append)
         if (ep > 1 or own) and searched.run.offload and not options.offload and policy.choose_memory_options:
-            result = _ep_without_offload(result, policy, tr, spec.name, screened)
+            result, notes = _ep_without_offload(result, notes, policy, tr, spec.name, screened)
+        for line in notes:  # (the screen's of the result kept)
+            reporter.note(line)
     _ep_notes(result.plan, tr, spec, reporter)
     return result
 
 
-def _ep_without_offload(result: AutoResult, policy: AutoPolicy, tr: Trace, model: str,
-                        screened: Callable[[AutoResult, Callable[[str], None] | None], AutoResult]) -> AutoResult:
+def _ep_without_offload(result: AutoResult, notes: list[str], policy: AutoPolicy, tr: Trace, model: str,
+                        screened: Callable[[AutoResult, Callable[[str], None] | None], AutoResult]
+                        ) -> tuple[AutoResult, list[str]]:
     """``result`` (auto's search turned to CPU offload, nothing fitting without it or EP, then screened for EP) or
-    the EP screen of the search without FSDP2's memory options, whichever is faster within the budget: the search
-    turns to offload before EP is screened, and EP, which shrinks the experts' shards, can fit without it
-    (Qwen3.5-397B-A17B on 256 H100s: offloaded at 7.81 s a step where EP 64 fits without offload)."""
-    found = screened(dataclasses.replace(policy, choose_memory_options=False).search(tr, model), None)
-    return faster(result, found) if found.fits else result
+    the EP screen of the search without FSDP2's memory options, whichever is faster within the budget, with its EP
+    screen's ``notes``: the search turns to offload before EP is screened, and EP, which shrinks the experts' shards,
+    can fit without it (Qwen3.5-397B-A17B on 256 H100s: offloaded at 7.81 s a step where EP 64 fits without offload,
+    5.57 s)."""
+    said: list[str] = []
+    found = screened(dataclasses.replace(policy, choose_memory_options=False).search(tr, model), said.append)
+    chosen = faster(result, found) if found.fits else result  # (the chosen one's layout lines last: they win)
+    return (chosen, said) if chosen.plan is found.plan else (result, notes)
 
 
 def _ep_notes(plan: Plan, tr: Trace, model: ModelSpec, reporter: Reporter) -> None:

@@ -145,6 +145,9 @@ class Template:
     # what the call told the data-dependent ops' stand-in (routing.py): (op, relative module) it stood in for,
     # and the routing it left (its experts, per-expert rows), which a later call's stand-in reads
     routed: list[tuple[str, str, int]] = field(default_factory=list)  # (op, relative module, times)
+    # outputs a topk inside made, (output leaf, relative module: "" its own body): a replay's caller modifying
+    # them in place is told as the call's own would be (``Slot.topk_by``)
+    topk_outputs: list[tuple[int, str]] = field(default_factory=list)
     routing: tuple[int | None, int] = (None, 1)
     reusable: bool = True
     confirmed: bool = field(default=False, compare=False)  # a second identical call recorded the same
@@ -203,7 +206,7 @@ class ActionLog(StepRecorder):
             self._log(("modified_output", inside))
 
     def modified_topk(self, fqn: str) -> None:
-        if fqn.startswith(self.prefix):
+        if fqn.startswith(self.prefix) or fqn == self.prefix[:-1]:  # (its own body's topk: "")
             self._log(("modified_topk", fqn[len(self.prefix):]))
 
     def own_region(self, begin: bool, reentrant: bool = False) -> None:
@@ -617,6 +620,8 @@ class BlockReuse:
                 maker = log.makers.get(ref)
                 if maker is not None and maker[0] == "op":
                     log.template.made_outputs.append((j, maker[1]))
+                if ref in self.slot.topk_by:
+                    log.template.topk_outputs.append((j, self.slot.topk_by[ref][len(log.prefix):]))
                 meta = _Input.of(t)
                 if not fresh or meta.storage_nbytes != t.numel() * t.element_size():
                     log.template.reusable = False
@@ -736,6 +741,8 @@ class BlockReuse:
             positions: list[int] = []  # where its forward ops went (``Event.made_at``)
             _replay_actions(main, template.forward, prefix, params, sources, positions=positions)
             _made_outputs(main, template, sources, positions)
+            for j, module in template.topk_outputs:
+                self.slot.topk_made(prefix + module if module else prefix[:-1], [outs[j]])
             if ("pack",) in template.forward:  # its ops ran in the recording: their frame at its last pack
                 main.frame.replayed(template.held, template.rise)
             main.frame.replayed_height(template.excess)
@@ -874,7 +881,7 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
         elif kind == "modified_output":
             main.modified_output(tuple(prefix + f for f in action[1]))
         elif kind == "modified_topk":
-            main.modified_topk(prefix + action[1])
+            main.modified_topk(prefix + action[1] if action[1] else prefix[:-1])
         else:  # save
             source, nbytes, mask = action[1], action[2], action[3]
             main.save(_source_ref(sources, source), nbytes, mask=mask,

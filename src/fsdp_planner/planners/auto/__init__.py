@@ -36,7 +36,7 @@ from fsdp_planner.batch import paused_gc
 from fsdp_planner.choices import DEFAULT_SAC_POLICY, ExpertPlacement, SacPolicy, ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count
-from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks, own_overlap
+from fsdp_planner.fsdp2.checkpointing import ACMode, check_saved_topk, checkpointed_blocks, own_overlap
 from fsdp_planner.fsdp2.dtypes import several_kinds
 from fsdp_planner.fsdp2.plan import Mesh, Plan, RunOptions, divisors
 from fsdp_planner.fsdp2.replay import build_schedule
@@ -450,6 +450,8 @@ class AutoPolicy:
         checkpointing what ``checkpointing`` fixes."""
         fixed = checkpointed_blocks(trace, self.checkpointing) if self.checkpointing is not None else []
         op, off = self.checkpointing is ACMode.OP, self.checkpointing is ACMode.OFFLOAD
+        if op:  # (``--ac op``: every plan checkpoints the blocks so, which fails where a router modifies its topk)
+            check_saved_topk(trace, dict.fromkeys(fixed, self.sac_policy))
         return Evaluator(trace, self.cluster, self.options, self.target, model, budget, mesh,
                          shared.ev.ctx if shared else None, checkpointed=[] if op or off else fixed,
                          selective=dict.fromkeys(fixed, self.sac_policy) if op else None,
