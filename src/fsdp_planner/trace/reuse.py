@@ -741,8 +741,7 @@ class BlockReuse:
             positions: list[int] = []  # where its forward ops went (``Event.made_at``)
             _replay_actions(main, template.forward, prefix, params, sources, positions=positions)
             _made_outputs(main, template, sources, positions)
-            for j, module in template.topk_outputs:
-                self.slot.topk_made(prefix + module if module else prefix[:-1], [outs[j]])
+            _topk_outputs(self.slot, template, prefix, outs)
             if ("pack",) in template.forward:  # its ops ran in the recording: their frame at its last pack
                 main.frame.replayed(template.held, template.rise)
             main.frame.replayed_height(template.excess)
@@ -780,6 +779,13 @@ class BlockReuse:
         # the inner calls that returned the call's own output (whose pre-backwards these are) returned it here too
         for action in actions:
             self.slot.returned(prefix + action[1], (t for t in result if t.requires_grad))
+
+
+def _topk_outputs(slot: Slot, template: Template, prefix: str, outs: list[Any]) -> None:
+    """The replay's outputs that a topk inside made (``Template.topk_outputs``), told to the slot as the call's own
+    would be: its caller modifying them in place is then seen (``Slot.written``)."""
+    for j, module in template.topk_outputs:
+        slot.topk_made(prefix + module if module else prefix[:-1], [outs[j]])
 
 
 def _outside(main: StepRecorder, grads: list[torch.Tensor], fed_until: int) -> tuple[int, int, int]:
