@@ -178,7 +178,11 @@ def modified_topk(trace: Trace, module: str, policy: SacPolicy) -> str | None:
     saves topk's outputs (op-level checkpointing of ``module`` then fails); None where none does or it saves none."""
     if OpClass.TOPK not in POLICIES[policy].saves:
         return None
-    return next((m for m, info in trace.modules.items() if info.topk_modified and is_within(m, module)), None)
+    memo = trace.index.memo  # (asked per block by auto's checkpointing search: the model's modules walked once)
+    key = ("topk_modified",)
+    if key not in memo:
+        memo[key] = tuple(m for m, info in trace.modules.items() if info.topk_modified)
+    return next((m for m in memo[key] if is_within(m, module)), None)
 
 
 def own_overlap(trace: Trace, module: str) -> str | None:

@@ -369,8 +369,8 @@ def linear_attention_note(tr: Trace, model: nn.Module) -> str | None:
                 "intermediates saved), which fsdp-planner has no stand-in for: their time and memory are far above "
                 "a GPU's running flash-linear-attention's kernels")
     calls = sum(1 for e in tr.events if e.is_op and not e.backward and e.kernel == KERNEL_LINEAR_ATTENTION)
-    if not calls and linear_attention.layers(model):  # (a transformers whose layers call the rule otherwise)
-        return (f"{linear_attention.layers(model):,} gated DeltaNet layers traced as transformers' PyTorch reference "
+    if not calls and (layers := linear_attention.layers(model)):  # (a transformers calling the rule otherwise)
+        return (f"{layers:,} gated DeltaNet layers traced as transformers' PyTorch reference "
                 "(a loop over 64-token chunks, each chunk's intermediates saved), not flash-linear-attention's "
                 "kernels, which a GPU with FLA runs: their time and memory are far above a GPU's (this transformers "
                 "calls the rule in a way fsdp-planner does not stand in for)")
