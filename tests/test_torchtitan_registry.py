@@ -1025,6 +1025,22 @@ def test_an_ep_jobs_advice_is_what_its_export_runs(capsys, tmp_path):
     assert keep != ("fsdp-planner export plan.json" in out)
 
 
+@pytest.mark.integration
+def test_auto_finds_the_expert_s_own_ep_job_where_it_fits(capsys):
+    """torchtitan's DeepSeek-V3 16B job (a group per block, every block op-level, EP 8) on 8 H100s fits at 69.7 GiB.
+    Auto's plan came out 0.8% slower: its EP screen took auto's own checkpointing, searched without EP, which left
+    the last block uncheckpointed and went over the budget, and then tried its op-level blocks in full only. Every
+    block op-level is screened now: auto's plan is the job's, and the output says there is nothing to change."""
+    spec = f"{FIXTURES}/deepseek_v3/config_registry.py:deepseek_v3_16b"
+    assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100:8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["auto_step"]["step_time"] <= result["config_step"]["step_time"]
+    assert result["changes"] == [] and result["fits"]
+    assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100:8"]) == 0
+    out = capsys.readouterr().out
+    assert "auto's plan is the config's job: nothing to change" in out and "keys auto would change" not in out
+
+
 def test_a_registry_jobs_float8_recipe_is_one_its_converter_takes_and_emulation_is_bf16():
     """The registry's Float8LinearConverter takes the rowwise recipes only (b5bcd76): a tensorwise job was read
     and simulated as tensorwise float8; an emulated one was simulated as float8 matmuls on an H100, and refused on

@@ -171,7 +171,9 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
         out.append(Change(cfg.key("shard"), str(old.mesh.shard), str(new.mesh.shard)))
     if new.offload != old.offload:
         out.append(Change(cfg.key("offload"), str(old.offload).lower(), str(new.offload).lower()))
-    if auto is not None and not (held and _grouping(config_plan) == _grouping(auto)):
+    # (a config's own job: its reshard key has a row of its own, so the grouping's row is its modules alone)
+    same = _grouping(config_plan) == _grouping(auto) if held else _modules(config_plan) == _modules(auto)
+    if auto is not None and not same:
         out.append(Change(cfg.key("policy"), f"{config_plan.policy}: {len(config_plan.groups)} groups",
                           f"{len(auto.groups)} groups", False))
     return out
@@ -201,6 +203,17 @@ def _faster_than_auto(result: Result) -> str:
 def _decided(plan: Plan) -> dict[str, Any]:
     """What a plan decides, as its file says it (its policy's name aside)."""
     return {k: v for k, v in plan.to_dict().items() if k != "policy"}
+
+
+def _same_plan(result: Result) -> bool:
+    """Whether auto's plan decides all the config's job does (its policy's name aside)."""
+    config_plan, auto_plan = result.outcome.config.plan, result.outcome.auto.plan
+    return config_plan is not None and auto_plan is not None and _decided(config_plan) == _decided(auto_plan)
+
+
+def _modules(plan: Plan | None) -> list[tuple[str, ...]]:
+    """A plan's groups' modules, in order."""
+    return [] if plan is None else [tuple(g.modules) for g in plan.groups]
 
 
 def _grouping(plan: Plan) -> list[tuple[tuple[str, ...], Any]]:
@@ -277,7 +290,7 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
     fmt = "torchtitan" if cfg.kind == TORCHTITAN else "accelerate"
     if cfg.plan is not None:  # an export's job: it runs the plan it holds, whatever torchtitan's keys group
         config_plan, auto_plan = result.outcome.config.plan, result.outcome.auto.plan
-        same = config_plan is not None and auto_plan is not None and _decided(config_plan) == _decided(auto_plan)
+        same = _same_plan(result)
         held = f"the job runs the plan its file holds ({PLAN_NAME})"
         differs = ", ".join(k for k in {**_decided(config_plan), **_decided(auto_plan)}
                             if _decided(config_plan).get(k) != _decided(auto_plan).get(k)) \
@@ -285,6 +298,8 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
         render.plain(f"{held}: auto's plan for this job, nothing to change" if same else
                      f"{held}, and auto's differs ({differs}): write auto's with --out plan.json, then "
                      f"`fsdp-planner export plan.json --format {fmt}` again")
+    elif _same_plan(result):
+        render.plain("auto's plan is the config's job: nothing to change")
     else:
         if result.edit is not None:
             render.plain("  the edit: " + "; ".join(f"{c.key} = {c.new}" for c in result.edit[0]))

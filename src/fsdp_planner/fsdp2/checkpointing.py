@@ -160,9 +160,7 @@ def titan_routers() -> Iterator[None]:
 
 def check_saved_topk(trace: Trace, selective: Mapping[str, SacPolicy]) -> None:
     """PlannerError where a module checkpointed op-level (``selective``: module -> policy) holds a router that
-    modifies the topk outputs its policy saves (``modified_topk``); not for torchtitan's model (``titan_routers``)."""
-    if _TITAN_ROUTERS.get():
-        return
+    modifies the topk outputs its policy saves (``modified_topk``)."""
     for m, policy in selective.items():
         if (router := modified_topk(trace, m, policy)) is not None:
             raise PlannerError(f"op-level checkpointing of '{m}': its '{router}' modifies its topk's outputs in place "
@@ -175,8 +173,9 @@ def check_saved_topk(trace: Trace, selective: Mapping[str, SacPolicy]) -> None:
 
 def modified_topk(trace: Trace, module: str, policy: SacPolicy) -> str | None:
     """The module inside ``module`` (or itself) whose ``topk`` outputs the step modifies in place, where ``policy``
-    saves topk's outputs (op-level checkpointing of ``module`` then fails); None where none does or it saves none."""
-    if OpClass.TOPK not in POLICIES[policy].saves:
+    saves topk's outputs (op-level checkpointing of ``module`` then fails); None where none does, it saves none, or
+    the model stands for torchtitan's (``titan_routers``)."""
+    if OpClass.TOPK not in POLICIES[policy].saves or _TITAN_ROUTERS.get():
         return None
     memo = trace.index.memo  # (asked per block by auto's checkpointing search: the model's modules walked once)
     key = ("topk_modified",)
