@@ -1,4 +1,5 @@
-"""Gated DeltaNet's linear attention planned as flash-linear-attention's kernels run it (``linear_attention.py``)."""
+"""Gated DeltaNet's and Kimi delta attention's linear attention planned as flash-linear-attention's kernels run it
+(``linear_attention.py``)."""
 
 from __future__ import annotations
 
@@ -114,7 +115,9 @@ def test_the_backward_workspace_holds_the_chunk_states_again():
 
 def test_fla_s_kernels_in_a_profile_are_attention():
     for name in ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_fwd_kernel_o", "chunk_bwd_kernel_dqkwg",
-                 "recompute_w_u_fwd_kernel", "prepare_wy_repr_bwd_kernel", "merge_16x16_to_64x64_inverse_kernel"):
+                 "recompute_w_u_fwd_kernel", "prepare_wy_repr_bwd_kernel", "merge_16x16_to_64x64_inverse_kernel",
+                 "chunk_kda_fwd_kernel_inter_solve_fused", "chunk_kda_bwd_kernel_wy_dqkg_fused",
+                 "recompute_w_u_fwd_kda_kernel", "chunk_gla_fwd_kernel_o"):
         assert op_class(name, gpu=True) is OpClass.ATTENTION, name
 
 
@@ -148,21 +151,97 @@ def test_layers_that_ran_the_reference_are_said(tmp_path):
     with patched(module, la.REFERENCE, getattr(module, la.REFERENCE).__wrapped__):
         tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
     said = linear_attention_note(tr, lm.model)
-    assert said is not None and said.startswith("3 gated DeltaNet layers traced as transformers' PyTorch reference")
+    assert said is not None and said.startswith("3 linear attention layers traced as transformers' PyTorch reference")
 
 
-def test_a_mixer_with_no_stand_in_is_said(tmp_path):
-    """Kimi Linear's delta attention (FLA's chunk_kda) has no stand-in: traced as transformers' reference loop, which a
-    note says (transformers' own warning of it is quieted with the others)."""
+# a Kimi Linear decoder: two Kimi delta attention layers of 4 heads of 16 (transformers' own default layer types)
+TINY_KIMI = {"model_type": "kimi_linear", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+             "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "num_experts": 4, "num_experts_per_token": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+             "v_head_dim": 16, "qk_nope_head_dim": 16, "linear_head_dim": 16, "linear_num_heads": 4, "head_dim": 16,
+             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def tiny_kimi(tmp_path: Path) -> str:
+    path = tmp_path / "tiny-kimi.json"
+    path.write_text(json.dumps(TINY_KIMI))
+    return f"hf:{path}"
+
+
+@pytest.mark.parametrize("seq", [128, 512])
+def test_kimi_delta_attention_runs_fla_s_two_kernels_at_any_length(tmp_path, seq):
+    """Kimi Linear's delta attention (FLA's chunk_kda) is one forward and one backward op per layer at any length,
+    with the gated delta rule's FLOPs and KDA's backward workspace; the note names it and its time's estimate."""
     from fsdp_planner.service.tracing import linear_attention_note
 
-    config = {"model_type": "kimi_linear", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-              "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 4, "num_experts": 4, "num_experts_per_token": 2, "kv_lora_rank": 16,
-              "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16, "linear_head_dim": 16,
-              "linear_num_heads": 4, "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-    path = tmp_path / "kimi.json"
-    path.write_text(json.dumps(config))
-    tr = traced(f"hf:{path}", 128)
-    said = linear_attention_note(tr, load_model(f"hf:{path}").model)
-    assert said is not None and said.startswith("2 Kimi delta attention (FLA's chunk_kda) layers traced as")
+    spec = tiny_kimi(tmp_path)
+    lm = load_model(ModelSpec(spec, batch_size=2, seq_len=seq), meta=True)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    linear = [e for e in tr.events if e.is_op and e.kernel == KERNEL_LINEAR_ATTENTION]
+    assert len([e for e in linear if not e.backward]) == 2 and len(linear) == 4
+    assert {e.flops for e in linear if not e.backward} == {la.chunk_flops(2, seq, 4, 16, 16, backward=False)}
+    assert {e.flops for e in linear if e.backward} == {la.chunk_flops(2, seq, 4, 16, 16, backward=True)}
+    do = torch.empty(2, seq, 4, 16, device="meta", dtype=torch.bfloat16)
+    assert {e.workspace for e in linear if e.backward} == {la.kda_backward_workspace(do, do)}
+    said = linear_attention_note(tr, lm.model)
+    assert said is not None and said.startswith("linear attention (2 Kimi delta attention calls) traced as flash")
+    assert "FLA publishes no KDA benchmark" in said
+
+
+def test_kimi_delta_attention_saves_what_fla_s_function_saves():
+    """ChunkKDAFunction's saved set with the l2 norm in the kernel (fla/ops/kda/chunk.py): normalised q and k and
+    their fp32 reciprocal norms, v, the fp32 cumulative gates, the gates given, beta, and Aqk and Akk (T x 64 per
+    value head, in k's dtype); w, u, qg, kg, v_new and h are made again in backward."""
+    b, t, h, d = 2, 130, 4, 32
+    q, k, v = (torch.empty(b, t, h, d, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.empty(b, t, h, d, device="meta", dtype=torch.float32, requires_grad=True)
+    beta = torch.empty(b, t, h, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    saved: list[torch.Tensor] = []
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        saved.append(x)
+        return x
+
+    rule = la.chunk_rule(lambda *a, **kw: None, la._kda_forward)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out, state = rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    assert out.shape == (b, t, h, d) and out.dtype == torch.bfloat16 and state is None
+    assert [(tuple(x.shape), x.dtype) for x in saved] == [
+        ((b, t, h, d), torch.bfloat16), ((b, t, h), torch.float32),  # q normalised, its reciprocal norms
+        ((b, t, h, d), torch.bfloat16), ((b, t, h), torch.float32),  # k
+        ((b, t, h, d), torch.bfloat16), ((b, t, h, d), torch.float32), ((b, t, h, d), torch.float32),  # v, gates
+        ((b, t, h), torch.bfloat16), ((b, t, h, la.CHUNK), torch.bfloat16), ((b, t, h, la.CHUNK), torch.bfloat16)]
+    assert saved[6] is g
+
+
+def test_kimi_delta_attention_s_backward_workspace():
+    """h and dh per chunk and w, qg, kg, u, v_new and dv in the inputs' dtype; dAqk, dAkk, two passes' dq, dk and
+    dg, and two db in fp32 (fla/ops/kda/chunk_bwd.py, chunk_intra.py)."""
+    do = torch.empty(2, 130, 4, 16, device="meta", dtype=torch.bfloat16)  # 3 chunks of 64, value head dim 16
+    q = torch.empty(2, 130, 4, 32, device="meta", dtype=torch.bfloat16)
+    states = 2 * (2 * 3 * 4 * 32 * 16) * 2
+    bf16 = 2 * 130 * 4 * (3 * 32 + 3 * 16) * 2
+    fp32 = 2 * 130 * 4 * (2 * 64 + 6 * 32 + 2) * 4
+    assert workspace_bytes(torch.ops.fsdp_planner.chunk_kda_backward.default, (do, q), {}) == states + bf16 + fp32
+
+
+def test_kimi_delta_attention_on_real_tensors_is_transformers_reference(tmp_path):
+    torch.manual_seed(0)
+    model = load_model(tiny_kimi(tmp_path), meta=False).model
+    layer = next(m for m in model.modules() if type(m).__name__ == "KimiLinearDeltaAttention")
+    module = sys.modules[type(layer).__module__]
+    rule = getattr(module, la.KDA_REFERENCE)
+    assert getattr(rule, "__wrapped_by_fsdp_planner__", False)
+    ids = torch.randint(0, 256, (2, 70))
+    got = model(ids).logits
+    with patched(module, la.KDA_REFERENCE, rule.__wrapped__):
+        want = model(ids).logits
+    assert torch.equal(got, want)
+
+
+@pytest.mark.integration
+def test_a_tiny_kimi_linear_on_fake_ranks_allocates_as_predicted(tmp_path):
+    r = run_main("verify", tiny_kimi(tmp_path), "--policy", "titan", "--ac", "full", "--fake-world-size", "8",
+                 "--cluster", "h100:8", "--seq", "256")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS" in r.stdout

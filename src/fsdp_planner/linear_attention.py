@@ -17,6 +17,15 @@ gradients ``dh`` (one dk x dv matrix per chunk and value head each), and the (T,
 ``v_new``, the new ``dv``, ``dw`` and dq and dk at the value heads' width. FLOPs: ``chunk_flops``. Time: an
 attention kernel's, at ``FLA_SHARE_OF_FLASH`` of its efficiency (``sim/compute.py``). Not modelled: FLA's dispatch
 to FlashQLA's kernels on SM90 and newer where the ``flash_qla`` package is installed.
+
+Kimi delta attention (KDA: Kimi Linear, GLM-5-Next, Bailing hybrid in transformers) is the same delta rule with a
+decay per key channel. transformers' reference (``chunk_kimi_delta_attention``) is a loop too; on a GPU it runs FLA's
+``chunk_kda``, whose ``ChunkKDAFunction`` saves q and k (normalised, with reciprocal norms), v, the fp32 chunk-local
+cumulative gates, the gates it was given, beta and two (T, 64) matrices per value head (``Aqk`` and ``Akk``), and
+makes ``w``, ``u``, ``qg``, ``kg``, ``v_new`` and ``h`` again in backward (``disable_recompute`` off, its default).
+Its ``tl.dot`` shapes are the gated delta rule's (the per-channel decay scales q and k elementwise before them), so
+its FLOPs are ``chunk_flops`` too; FLA publishes no KDA row beside FlashAttention, so its time is GDN's
+``FLA_SHARE_OF_FLASH``: an estimate.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ CHUNK = 64  # FLA's and transformers' chunk_size default
 FLA_SHARE_OF_FLASH = 0.26
 REFERENCE = "torch_chunk_gated_delta_rule"  # the name transformers' modeling modules give the reference
 ATTRIBUTE = "chunk_gated_delta_rule"  # the layer's own attribute holding the rule (transformers before 5.25)
+KDA_REFERENCE = "chunk_kimi_delta_attention"  # transformers' reference of Kimi delta attention
 
 
 def chunk_macs(dk: int, dv: int, chunk: int = CHUNK) -> tuple[int, int]:
@@ -113,13 +123,11 @@ def _grads(ctx: Any, do: torch.Tensor, *_: Any) -> tuple:
 torch.library.register_autograd("fsdp_planner::chunk_gated_delta_rule", _grads, setup_context=_setup)
 
 
-@register_flop_formula(torch.ops.fsdp_planner.chunk_gated_delta_rule)
 def _forward_flops(q_shape: tuple, k_shape: tuple, v_shape: tuple, *args: Any, **kwargs: Any) -> int:
     batch, tokens, _, dk = q_shape
     return chunk_flops(batch, tokens, v_shape[-2], dk, v_shape[-1], backward=False)
 
 
-@register_flop_formula(torch.ops.fsdp_planner.chunk_gated_delta_rule_backward)
 def _backward_flops(do_shape: tuple, q_shape: tuple, *args: Any, **kwargs: Any) -> int:
     batch, tokens, v_heads, dv = do_shape
     return chunk_flops(batch, tokens, v_heads, q_shape[-1], dv, backward=True)
@@ -139,10 +147,76 @@ def backward_workspace(do: torch.Tensor, q: torch.Tensor) -> int:
     return (states + per_token) * q.element_size() + batch * tokens * v_heads * 4
 
 
-def chunk_rule(reference: Callable[..., Any]) -> Callable[..., Any]:
-    """``reference`` (transformers' ``torch_chunk_gated_delta_rule``) on real tensors; FLA's kernels on planned
-    ones. Sequences packed together (``cu_seqlens``) and a recurrent state carried in or out are generation's, not a
-    training step's: the reference takes them."""
+@torch.library.custom_op("fsdp_planner::chunk_kda", mutates_args=())
+def _kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 l2norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, q normalised, q's reciprocal norms, k normalised, k's, the cumulative gates, Aqk, Akk): FLA's
+    ``chunk_kda`` forward, on planned tensors only."""
+    raise RuntimeError("fsdp_planner::chunk_kda stands for FLA's kernels on planned tensors only")
+
+
+@_kda_forward.register_fake
+def _kda_forward_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      l2norm: bool) -> tuple[torch.Tensor, ...]:
+    o, qn, q_rstd, kn, k_rstd, _, a = _forward_fake(q, k, v, beta, beta, l2norm)
+    return o, qn, q_rstd, kn, k_rstd, g.new_empty(g.shape, dtype=torch.float32), a, torch.empty_like(a)
+
+
+@torch.library.custom_op("fsdp_planner::chunk_kda_backward", mutates_args=())
+def _kda_backward(do: torch.Tensor, q: torch.Tensor, q_rstd: torch.Tensor, k: torch.Tensor, k_rstd: torch.Tensor,
+                  v: torch.Tensor, g_cum: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, aqk: torch.Tensor,
+                  akk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta): FLA's ``chunk_kda`` backward, on planned tensors only."""
+    raise RuntimeError("fsdp_planner::chunk_kda_backward stands for FLA's kernels on planned tensors only")
+
+
+@_kda_backward.register_fake
+def _kda_backward_fake(do: torch.Tensor, q: torch.Tensor, q_rstd: torch.Tensor, k: torch.Tensor,
+                       k_rstd: torch.Tensor, v: torch.Tensor, g_cum: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, aqk: torch.Tensor, akk: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta))
+
+
+def _kda_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, g, beta, l2norm = inputs
+    _, qn, q_rstd, kn, k_rstd, g_cum, aqk, akk = output
+    ctx.save_for_backward(qn if l2norm else q, q_rstd, kn if l2norm else k, k_rstd, v, g_cum, g, beta, aqk, akk)
+
+
+def _kda_grads(ctx: Any, do: torch.Tensor, *_: Any) -> tuple:
+    dq, dk, dv, dg, dbeta = _kda_backward(do.contiguous(), *ctx.saved_tensors)
+    return dq, dk, dv, dg, dbeta, None
+
+
+torch.library.register_autograd("fsdp_planner::chunk_kda", _kda_grads, setup_context=_kda_setup)
+
+
+# (one registration each: the formula registered is wrapped, and the name left bound to it)
+register_flop_formula([torch.ops.fsdp_planner.chunk_gated_delta_rule, torch.ops.fsdp_planner.chunk_kda])(_forward_flops)
+register_flop_formula([torch.ops.fsdp_planner.chunk_gated_delta_rule_backward,
+                       torch.ops.fsdp_planner.chunk_kda_backward])(_backward_flops)
+
+
+def kda_backward_workspace(do: torch.Tensor, q: torch.Tensor) -> int:
+    """Bytes FLA's ``chunk_kda_bwd`` holds besides its outputs at its peak (``chunk_kda_bwd_intra``, its locals kept
+    to the end): h and dh, one dk x dv matrix per chunk and value head each, in the queries' dtype; w, qg and kg (dk
+    wide) and u, v_new and the new dv (dv wide) in it too; dAqk and dAkk (64 wide) in fp32; dq, dk and dg, and the
+    intra pass's dq, dk and dg again, in fp32 (dk wide each); db twice in fp32. Its outputs are those cast to the
+    inputs' dtypes."""
+    batch, tokens, v_heads, dv = do.shape
+    dk = q.shape[-1]
+    chunks = -(-tokens // CHUNK)
+    states = 2 * batch * chunks * v_heads * dk * dv * q.element_size()
+    rows = batch * tokens * v_heads
+    return states + rows * ((3 * dk + 3 * dv) * q.element_size() + 4 * (2 * CHUNK + 6 * dk + 2))
+
+
+def chunk_rule(reference: Callable[..., Any], op: Callable[..., tuple] = _forward) -> Callable[..., Any]:
+    """``reference`` (transformers' ``torch_chunk_gated_delta_rule``, or ``chunk_kimi_delta_attention`` with ``op``
+    KDA's) on real tensors; FLA's kernels (``op``) on planned ones. Sequences packed together (``cu_seqlens``) and a
+    recurrent state carried in or out are generation's, not a training step's: the reference takes them."""
 
     def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              chunk_size: int = CHUNK, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -152,7 +226,7 @@ def chunk_rule(reference: Callable[..., Any]) -> Callable[..., Any]:
             return reference(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                              output_final_state=output_final_state,
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
-        out = _forward(query.contiguous(), key.contiguous(), value.contiguous(), g, beta, use_qk_l2norm_in_kernel)
+        out = op(query.contiguous(), key.contiguous(), value.contiguous(), g, beta, use_qk_l2norm_in_kernel)
         return out[0], None
 
     rule.__wrapped_by_fsdp_planner__ = True  # type: ignore[attr-defined]
@@ -161,14 +235,19 @@ def chunk_rule(reference: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install(model: nn.Module) -> int:
-    """Wrap the reference gated delta rule of every modeling module ``model``'s classes come from (``chunk_rule``),
-    once per module, and the rule a layer holds as its own attribute (transformers before 5.25 binds it in the
-    layer's constructor: ``self.chunk_gated_delta_rule``); how many modules of ``model`` run it (0: none has linear
-    attention)."""
+    """Wrap the reference gated delta rule and Kimi delta attention of every modeling module ``model``'s classes
+    come from (``chunk_rule``), once per module, and the rule a layer holds as its own attribute (transformers before
+    5.25 binds it in the layer's constructor: ``self.chunk_gated_delta_rule``); how many modules of ``model`` run
+    one (0: none has linear attention)."""
     runs = 0
     for m in model.modules():
         module = sys.modules.get(type(m).__module__)
         reference = getattr(module, REFERENCE, None)
+        kda = getattr(module, KDA_REFERENCE, None)
+        if callable(kda) and _calls(m, KDA_REFERENCE):
+            runs += 1
+            if not getattr(kda, "__wrapped_by_fsdp_planner__", False):
+                setattr(module, KDA_REFERENCE, chunk_rule(kda, _kda_forward))
         if not _reads_rule(m) or (reference is None and not callable(getattr(m, ATTRIBUTE, None))):
             continue
         runs += 1
@@ -180,21 +259,15 @@ def install(model: nn.Module) -> int:
     return runs
 
 
-# transformers' PyTorch references of linear-time mixers with no stand-in here: a layer calling one runs it while
-# planned (a loop over chunks that saves each), which a note says
-UNSTOOD = {"chunk_kimi_delta_attention": "Kimi delta attention (FLA's chunk_kda)"}
+def kda_layers(model: nn.Module) -> int:
+    """How many of ``model``'s modules call Kimi delta attention (their forward names transformers' reference)."""
+    return sum(1 for m in model.modules() if _calls(m, KDA_REFERENCE))
 
 
-def reference_only(model: nn.Module) -> dict[str, int]:
-    """Of ``UNSTOOD``, the references ``model``'s layers call (their forward names one): label -> layers."""
-    found: dict[str, int] = {}
-    for m in model.modules():
-        forward = inspect.unwrap(type(m).forward)
-        names = getattr(getattr(forward, "__code__", None), "co_names", ())
-        for reference, label in UNSTOOD.items():
-            if reference in names:
-                found[label] = found.get(label, 0) + 1
-    return found
+def _calls(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward names ``name`` (a module-global function it calls)."""
+    forward = inspect.unwrap(type(module).forward)
+    return name in getattr(getattr(forward, "__code__", None), "co_names", ())
 
 
 def layers(model: nn.Module) -> int:

@@ -13,7 +13,8 @@ ranks). The CPU kernels of CPU ranks (``Engine.HOST``) allocate none of them.
   vocab-parallel embedding at TP 8 (16,384 tokens, dim 16,384): a 1,126.4 MiB block alive at the step's peak
   (``benchmarks/gpu_2d.md``), 18,022 x 16,384 x 4 bytes. Its int64 index arrays (a few times ``numel`` x 8 bytes)
   are left out.
-- flash-linear-attention's gated delta rule backward (``linear_attention.py``): the chunk states and their gradients
+- flash-linear-attention's gated delta rule and Kimi delta attention backward (``linear_attention.py``): the chunk
+  states and their gradients
   it makes again; mamba_ssm's conv and scan backward (``mamba_scan.py``): the conv's output, the chunk states and
   the chunk-by-chunk products made again, and their gradients.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fsdp_planner.linear_attention import backward_workspace
+from fsdp_planner.linear_attention import backward_workspace, kda_backward_workspace
 from fsdp_planner.mamba_scan import backward_workspace as scan_workspace
 
 EMBEDDING_ATOMIC_MAX_INDICES = 3072  # at most this many indices (and no scale_grad_by_freq): one kernel, no buffer
@@ -36,6 +37,8 @@ def workspace_bytes(func: Any, args: tuple, kwargs: dict | None = None) -> int:
     0 for every op this module does not name."""
     if func is torch.ops.fsdp_planner.chunk_gated_delta_rule_backward.default:
         return backward_workspace(args[0], args[1])
+    if func is torch.ops.fsdp_planner.chunk_kda_backward.default:
+        return kda_backward_workspace(args[0], args[1])
     if func is torch.ops.fsdp_planner.mamba_conv_scan_backward.default:
         return scan_workspace(args[1], args[2], args[6], *args[10:13])
     if func is not torch.ops.aten.embedding_dense_backward.default:

@@ -70,10 +70,11 @@ class OpClass(Enum):
 CPU_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
               "aten::addbmm", "aten::einsum", "aten::_scaled_mm", "aten::conv2d", "aten::convolution"}
 ATTENTION_WORDS = ("scaled_dot_product", "flash", "attention", "fmha", "attn", "efficient_attention",
-                   # flash-linear-attention's gated delta rule kernels (fla/ops/gated_delta_rule, fla/ops/common),
-                   # what the simulator times at a share of the attention efficiency
+                   # flash-linear-attention's gated delta rule and KDA kernels (fla/ops/gated_delta_rule,
+                   # fla/ops/kda, fla/ops/common; KDA's output through GLA's), what the simulator times at a share of
+                   # the attention efficiency
                    "delta_rule", "chunk_fwd_kernel_o", "chunk_bwd_kernel_", "wy_repr", "recompute_w_u",
-                   "scaled_dot_kkt", "solve_tril", "merge_16x16")
+                   "scaled_dot_kkt", "solve_tril", "merge_16x16", "chunk_kda_", "chunk_gla_fwd_kernel_o")
 # (not "conv" alone: cuDNN's attention backward converts dQ in "cudnn::fusion::convert_dq_to_16bits", a copy)
 GPU_MATMUL_WORDS = ("gemm", "cutlass", "xmma", "cublas", "matmul", "gemv", "sm90_", "sm80_", "ampere_", "hopper_",
                     "wgmma", "convolution", "convolve", "conv1d", "conv2d", "conv3d", "conv_depthwise",

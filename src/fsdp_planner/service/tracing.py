@@ -360,26 +360,25 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
 
 
 def linear_attention_note(tr: Trace, model: nn.Module) -> str | None:
-    """Which kernels the trace took for gated DeltaNet's linear attention (None: the step has none); a mixer with no
-    stand-in said too."""
-    unstood = linear_attention.reference_only(model)
-    if unstood:
-        said = ", ".join(f"{n:,} {label} layers" for label, n in unstood.items())
-        return (f"{said} traced as transformers' PyTorch reference (a loop over 64-token chunks, each chunk's "
-                "intermediates saved), which fsdp-planner has no stand-in for: their time and memory are far above "
-                "a GPU's running flash-linear-attention's kernels")
+    """Which kernels the trace took for linear attention, gated DeltaNet's and Kimi delta attention's (None: the step
+    has none)."""
     calls = sum(1 for e in tr.events if e.is_op and not e.backward and e.kernel == KERNEL_LINEAR_ATTENTION)
-    if not calls and (layers := linear_attention.layers(model)):  # (a transformers calling the rule otherwise)
-        return (f"{layers:,} gated DeltaNet layers traced as transformers' PyTorch reference "
+    if not calls and (layers := linear_attention.layers(model) + linear_attention.kda_layers(model)):
+        return (f"{layers:,} linear attention layers traced as transformers' PyTorch reference "
                 "(a loop over 64-token chunks, each chunk's intermediates saved), not flash-linear-attention's "
                 "kernels, which a GPU with FLA runs: their time and memory are far above a GPU's (this transformers "
                 "calls the rule in a way fsdp-planner does not stand in for)")
     if not calls:
         return None
-    return (f"linear attention ({calls:,} gated DeltaNet calls) traced as flash-linear-attention's chunked kernels, "
+    kda = linear_attention.kda_layers(model)
+    kinds = "Kimi delta attention" if kda and not linear_attention.layers(model) else \
+        "gated DeltaNet and Kimi delta attention" if kda else "gated DeltaNet"
+    estimate = (": Kimi delta attention's time at gated DeltaNet's rate (FLA publishes no KDA benchmark), an "
+                "estimate") if kda else ""
+    return (f"linear attention ({calls:,} {kinds} calls) traced as flash-linear-attention's chunked kernels, "
             "what a GPU with FLA runs (transformers' PyTorch reference, which runs without it, launches tens of "
             f"kernels per chunk of 64 tokens): FLA's saved tensors, its FLOPs at {FLA_SHARE_OF_FLASH:.0%} of fused "
-            "attention's efficiency (FLA's published benchmark)")
+            f"attention's efficiency (FLA's published benchmark){estimate}")
 
 
 def mamba_note(tr: Trace, model: nn.Module) -> str | None:

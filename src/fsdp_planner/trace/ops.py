@@ -134,7 +134,7 @@ def _kind(func: Any) -> int | None:
     except KeyError:
         name = str(getattr(func, "__name__", func))
         kind = _MATMULS.get(func, _ATTENTION if any(w in name for w in _ATTENTION_WORDS) else
-                            _LINEAR_ATTENTION if "chunk_gated_delta_rule" in name else
+                            _LINEAR_ATTENTION if "chunk_gated_delta_rule" in name or "chunk_kda" in name else
                             _MAMBA_SCAN if "mamba_conv_scan" in name else None)
         _kernel_kinds[func] = kind
         return kind
