@@ -719,9 +719,11 @@ def _loss(value: Any, notes: list[str]) -> None:
         shown = f"{chunks}" if type(chunks) is int else "its"
         notes.append(f"loss = ChunkedLossWrapper ({shown} chunks of the sequence, each running the output layer "
                      "and the loss with its own backward) is simulated as one cross-entropy over the whole "
-                     "sequence: the loss's peak (the whole sequence's logits, and what the loss makes of them) is "
-                     f"over-counted, up to {shown}-fold, and the output layer's {shown} reduce-scatters a step "
-                     "counted as one")
+                     "sequence: the loss's own peak (the whole sequence's logits, and what the loss makes of them) "
+                     f"is over-counted, up to {shown}-fold; not counted are what the wrapper holds through its "
+                     "chunks: the output layer's weight gathered, its gradient accumulated unsharded in fp32 until "
+                     "the one reduce-scatter at the last chunk (which the step has too), and an fp32 buffer of the "
+                     "hidden states' gradient")
         return
     shown = value.name if isinstance(value, Call) else cut_short(str(value))
     notes.append(f"loss = {shown_json(shown)[1:-1]} is simulated as torchtitan's CrossEntropyLoss over the whole "
