@@ -1041,6 +1041,19 @@ def test_auto_finds_the_expert_s_own_ep_job_where_it_fits(capsys):
     assert "auto's plan is the config's job: nothing to change" in out and "keys auto would change" not in out
 
 
+@pytest.mark.integration
+def test_the_ep_degree_auto_chooses_is_a_key_it_changes(capsys):
+    """gpt-oss-20b's job runs without EP (expert_parallel_degree = 1); on 8 H100s auto's EP screen takes EP 8, and
+    the table of keys auto would change left that key out: it is a row now, as torchtitan spells it."""
+    spec = f"{FIXTURES}/gpt_oss/config_registry.py:gpt_oss_20b"
+    assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100:8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    degree = (result["plan"].get("expert_parallel") or {}).get("degree", 1)
+    rows = [c for c in result["changes"] if c["key"] == "parallelism.expert_parallel_degree"]
+    assert degree > 1 and rows == [{"key": "parallelism.expert_parallel_degree", "config": "1", "auto": str(degree),
+                                    "expressible": True}]
+
+
 def test_a_registry_jobs_float8_recipe_is_one_its_converter_takes_and_emulation_is_bf16():
     """The registry's Float8LinearConverter takes the rowwise recipes only (b5bcd76): a tensorwise job was read
     and simulated as tensorwise float8; an emulated one was simulated as float8 matmuls on an H100, and refused on

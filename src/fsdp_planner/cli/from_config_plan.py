@@ -169,6 +169,8 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
     if new.mesh != old.mesh:
         out.append(Change(cfg.key("replicate"), str(old.mesh.replicate), str(new.mesh.replicate)))
         out.append(Change(cfg.key("shard"), str(old.mesh.shard), str(new.mesh.shard)))
+    if auto is not None and auto.ep_degree != config_plan.ep_degree:  # (auto's EP screen chose another degree)
+        out.append(Change(cfg.key("ep"), str(config_plan.ep_degree), str(auto.ep_degree), cfg.kind == TORCHTITAN))
     if new.offload != old.offload:
         out.append(Change(cfg.key("offload"), str(old.offload).lower(), str(new.offload).lower()))
     # (a config's own job: its reshard key has a row of its own, so the grouping's row is its modules alone)
