@@ -204,6 +204,25 @@ def test_fp32_modules_must_be_submodules_with_params(names, match):
         trace(model, (torch.randn(2, 4, device="meta"),), fp32_modules=["1"])
 
 
+class Jittered(nn.Linear):
+    """A router that scales its input by noise in place in training, as Phi-MoE's does with its jitter."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x *= 1.01
+        return super().forward(x)
+
+
+def test_a_module_kept_in_fp32_that_modifies_its_inputs_in_place_is_refused():
+    """fully_shard on such a module breaks (its inputs pass through FSDP2's autograd function), so it cannot have
+    the fp32 group of its own: the plan left it, silently, in the group above computing in bf16 (a new user's
+    Phi-3.5-MoE with its routers in fp32, a verify FAIL on the all-gather bytes)."""
+    model = nn.Sequential(nn.Linear(16, 16), Jittered(16, 16), nn.Linear(16, 4)).to("meta")
+    x = torch.randn(4, 16, device="meta")
+    with pytest.raises(PlannerError, match="fp32_modules: '1' cannot have the FSDP2 group of its own.*in place"):
+        trace(model, (x,), precision="bf16-mixed", fp32_modules=["1"])
+    assert trace(model, (x,), precision="bf16-mixed", fp32_modules=["2"]).full_precision == ("2",)
+
+
 class Router(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -22,6 +22,7 @@ from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.input_casts import float32_subject
 from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.sim.options import precision_named
 from fsdp_planner.trace.failures import LOSS, FailedOp, failed_at, first_line
@@ -85,12 +86,10 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     would crash); one that fails in both raises what the model raised.
     ``routing`` is the capacity factor of data-dependent ops' stand-in (``routing.py``).
     ``fsdp_planner.trace.record`` is the recorder underneath, with an explicit ``compute_dtype``. A model with
-    real params gets a compute-dtype copy of them while it is traced: build it on meta (``load_model``) to spend
-    no memory.
-    """
+    real params gets a compute-dtype copy of them while it is traced: build it on meta to spend no memory."""
     precision = resolve_precision(precision)
     dtype = precision.trace_dtype
-    kept = checked_fp32_modules(model, fp32_modules)
+    asked = kept = checked_fp32_modules(model, fp32_modules)
     # a precision storing params in the compute dtype (pure-bf16) has the model converted whole (model.to), its
     # floating buffers with it, where the model is not built so already
     uncast = precision.fsdp_dtypes()[0] is None  # FSDP2 casts nothing (pure-bf16, fp32, autocast)
@@ -99,11 +98,13 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     step = functools.partial(record, model, example_inputs, loss_fn, reuse=reuse, routing=routing,
                              cast_buffers=whole)
     try:
-        return step(compute_dtype=dtype, full_precision=kept)
+        first = step(compute_dtype=dtype, full_precision=kept)
     except Exception as e:
         if dtype is None:
             raise
         cause = e
+    else:
+        return _groupable_fp32(first, asked)
     own: Trace | None = None  # the step in the model's own dtypes, traced when needed
     casting = False  # FSDP2's casts of the inputs of the modules a group lists (``input_casts.py``): tried last
     for _ in range(MAX_KEPT_CLASSES + 1):
@@ -124,7 +125,7 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
             cause = e
             continue
         notes = (kept_note(model, kept, precision) if kept else "", cast_note(tr.cast_inputs, precision))
-        return replace(tr, notes=(*tr.notes, *(n for n in notes if n)))
+        return _groupable_fp32(replace(tr, notes=(*tr.notes, *(n for n in notes if n))), asked)
     # the same step in the model's own dtypes: what fails there too is the model's error, not the precision's
     raise PrecisionError(precision, cause, own or step()) from cause
 
@@ -141,6 +142,21 @@ def checked_fp32_modules(model: nn.Module, names: Sequence[str]) -> tuple[str, .
             raise PlannerError(f"fp32_modules: module '{name}' holds no trainable params, so no group of its own "
                                "can keep it in fp32")
     return tuple(dict.fromkeys(names))
+
+
+def _groupable_fp32(tr: Trace, names: Sequence[str]) -> Trace:
+    """``tr``, where each of ``names`` (the user's fp32 modules) can have the fp32 group of its own that keeps it
+    in fp32; a module whose forward modifies its inputs in place cannot (``ModuleInfo.shardable``): refused rather
+    than left, silently, in its block's group computing in the precision's dtype."""
+    for name in names:
+        if not shardable_cover(tr, name):
+            raise PlannerError(f"fp32_modules: '{name}' cannot have the FSDP2 group of its own that keeps it in fp32: "
+                               "its forward modifies its inputs in place, which fully_shard on it breaks (FSDP2 hands "
+                               "a module's inputs on through an autograd function, and autograd refuses an in-place "
+                               "change of its outputs); leave it out of fp32_modules, or stop the in-place op (a "
+                               "router scaling its input by jitter noise in training, as Phi-MoE's: a model option "
+                               "turns it off, --hf-config input_jitter_noise=0.0 there)")
+    return tr
 
 
 MAX_KEPT_CLASSES = 4  # module classes kept in fp32 before the step is refused (a ResNet has one: BatchNorm2d)
