@@ -218,7 +218,7 @@ def test_a_module_kept_in_fp32_that_modifies_its_inputs_in_place_is_refused():
     Phi-3.5-MoE with its routers in fp32, a verify FAIL on the all-gather bytes)."""
     model = nn.Sequential(nn.Linear(16, 16), Jittered(16, 16), nn.Linear(16, 4)).to("meta")
     x = torch.randn(4, 16, device="meta")
-    with pytest.raises(PlannerError, match="fp32_modules: '1' cannot have the FSDP2 group of its own.*in place"):
+    with pytest.raises(PlannerError, match=r"fp32_modules: '1' cannot have the FSDP2 group of its own.*in place"):
         trace(model, (x,), precision="bf16-mixed", fp32_modules=["1"])
     assert trace(model, (x,), precision="bf16-mixed", fp32_modules=["2"]).full_precision == ("2",)
 

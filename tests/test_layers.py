@@ -19,8 +19,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 # Lowest layer first. Each entry: the component's name and the top-level names (packages or modules) it holds. A
 # component imports from itself or from lower layers; the components of one layer are peers and import neither.
 LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
-    {"base": ("errors", "fmt", "userfiles", "batch", "attention", "linear_attention", "mamba_scan", "norms",
-              "workspaces", "routing", "choices", "patching", "limits", "signals")},
+    {"base": ("errors", "fmt", "userfiles", "batch", "attention", "linear_attention", "mamba_scan", "selective_scan",
+              "norms", "workspaces", "routing", "choices", "patching", "limits", "signals")},
     {"configs": ("configs",)},  # the training configs users have (torchtitan, Accelerate), read torch-free
     {"trace": ("trace",), "models": ("models",)},
     {"fsdp2": ("fsdp2",)},  # FSDP2's semantics only: no hardware

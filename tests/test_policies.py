@@ -150,6 +150,24 @@ def test_a_stack_of_one_layer_of_each_kind_has_its_layers_for_blocks():
         assert not any("layers.0.mixer.dt_proj" in g for g in groups_of(plan)), groups_of(plan)
 
 
+def test_a_hybrid_s_few_layers_of_another_kind_are_blocks_too():
+    """Jamba stacks 4 attention layers among 28 Mamba layers: the attention layers hold far less than a quarter of
+    the Mamba layers' params, so they were no peer block class, and titan grouped them with the norm and the output
+    head, kept unsharded after forward (a new user's finding). A class stacked in the block class's own container
+    is a block whatever its share, as torchtitan's loop over the stack shards each layer."""
+    model = torch.nn.Sequential()
+    model.layers = torch.nn.ModuleList([_MixerLayer(64) for _ in range(7)] + [_AttentionLayer(8)])
+    model.head = torch.nn.Linear(64, 4)
+    model.forward = lambda x: model.head(torch.nn.functional.pad(
+        model.layers[7](functools.reduce(lambda h, m: m(h), model.layers[:7], x)[:, :8]), (0, 56)))
+    tr = record(model, (torch.randn(2, 64),))
+    assert tr.index.checkpoint_block_classes == ("_MixerLayer", "_AttentionLayer")
+    for chosen in (ModuleWrapPolicy(), TorchtitanPolicy()):
+        plan = chosen.plan(tr)
+        validate_plan(plan, tr)
+        assert ["layers.7"] in groups_of(plan), groups_of(plan)
+
+
 class DoubleConv(torch.nn.Module):
     def __init__(self, cin: int, cout: int) -> None:
         super().__init__()

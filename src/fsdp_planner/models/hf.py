@@ -36,7 +36,7 @@ import torch.nn as nn
 
 import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
-from fsdp_planner import linear_attention, mamba_scan
+from fsdp_planner import linear_attention, mamba_scan, selective_scan
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.limits import check_config, check_field
 from fsdp_planner.patching import TORCHAO_LOGGERS, quiet_loggers
@@ -504,6 +504,7 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
         model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
     linear_attention.install(model)
     mamba_scan.install(model)
+    selective_scan.install(model)
     return model.train()
 
 

@@ -11,7 +11,7 @@ from copy import deepcopy
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointError
 
-from fsdp_planner import linear_attention, routing
+from fsdp_planner import linear_attention, routing, selective_scan
 from fsdp_planner.attention import Kernel, kernel
 from fsdp_planner.choices import SacPolicy
 from fsdp_planner.errors import PlannerError
@@ -28,7 +28,7 @@ from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.compiled import alike_blocks
 from fsdp_planner.trace.compiled_loss import LossInputs, capturing, with_compiled_loss
-from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN
+from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN, KERNEL_SELECTIVE_SCAN
 from fsdp_planner.trace.failures import LOSS, failed_at
 from fsdp_planner.trace.recorder import default_loss, record, record_compiled, record_compiled_loss
 from fsdp_planner.trace.records import Trace
@@ -64,7 +64,7 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
     encoder = hf.encoder_note(lm.model) if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr, lm.model),
-                 mamba_note(tr, lm.model), routing_note(spec, routed[0]),
+                 mamba_note(tr, lm.model), selective_scan_note(tr, lm.model), routing_note(spec, routed[0]),
                  own_checkpointing_note(lm.own_checkpointing), positions, encoder,
                  hf.version_note() if hf.is_hf(spec.name) else None):
         if line:
@@ -395,6 +395,22 @@ def mamba_note(tr: Trace, model: nn.Module) -> str | None:
             "transformers trains with on a GPU with mamba_ssm: its input, the scan's output and the weights saved, the "
             "rest made again in backward), not transformers' PyTorch reference, which saves fp32 chunk-by-chunk "
             "matrices")
+
+
+def selective_scan_note(tr: Trace, model: nn.Module) -> str | None:
+    """Which path the trace took for Mamba-1's mixers' scans (None: the model has none)."""
+    count = selective_scan.mixers(model)
+    fused = sum(1 for e in tr.events if e.is_op and not e.backward and e.kernel == KERNEL_SELECTIVE_SCAN)
+    if count > fused:
+        return (f"{count - fused:,} of {count:,} Mamba-1 mixers' scans traced as transformers' PyTorch reference, a "
+                "loop over every token saving each step's state, not as mamba_ssm's selective_scan_fn a GPU trains "
+                "with: their time and activations are far above a GPU's (a cache (use_cache) or a transformers "
+                "calling another path)")
+    if not fused:
+        return None
+    return (f"{fused:,} Mamba-1 mixers' scans traced as mamba_ssm's selective_scan_fn (what transformers trains with "
+            "on a GPU with mamba_ssm: its inputs, the ungated output and fp32 chunk states saved, the rest made again "
+            "in backward), timed by the bytes the memory-bound kernel moves")
 
 
 def routing_note(spec: ModelSpec, consulted: int) -> str | None:

@@ -45,7 +45,8 @@ from fsdp_planner.trace.reuse import static_signatures
 # what inductor leaves to a library kernel rather than fusing (by the op's name): matmuls, convolutions, attention,
 # and the linear-time mixers' kernels (``linear_attention.py``, ``mamba_scan.py``: opaque custom ops, as FLA's and
 # mamba_ssm's own are to inductor)
-EXTERN = ("mm", "convolution", "attention", "chunk_gated_delta_rule", "chunk_kda", "mamba_conv_scan")
+EXTERN = ("mm", "convolution", "attention", "chunk_gated_delta_rule", "chunk_kda", "mamba_conv_scan",
+          "selective_scan")
 
 
 class _Captured(Exception):

@@ -73,6 +73,9 @@ KERNEL_LINEAR_ATTENTION = -9
 # Mamba-2's conv and chunked-scan kernels as mamba_ssm runs them (``mamba_scan.py``): FLOPs at the matmul efficiency,
 # bytes at the memory one, as a matmul's; never fused by inductor
 KERNEL_MAMBA_SCAN = -10
+# Mamba-1's selective scan as mamba_ssm's CUDA kernel runs it (``selective_scan.py``): memory-bound, timed by its
+# bytes; never fused by inductor
+KERNEL_SELECTIVE_SCAN = -11
 
 
 class OwnCall(NamedTuple):

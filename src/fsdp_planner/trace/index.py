@@ -14,7 +14,7 @@ import numpy as np
 
 from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
-from fsdp_planner.trace.tree import ROOT, is_within, proper_ancestors
+from fsdp_planner.trace.tree import ROOT, is_within, parent_of, proper_ancestors
 
 Call = tuple[str, int]  # (module, call number)
 CONTAINERS = frozenset({"ModuleList", "Sequential", "ModuleDict"})
@@ -349,8 +349,14 @@ class TraceIndex:
         # composite child: its share is its instances')
         ours = total.get(main, sum(numel[m] for m, info in self._modules.items() if info.cls == main))
         alone = count.get(main, 0) < 2  # (a stack of layers of several kinds, one of each: each is a block)
-        for cls in sorted((c for c in total if c != main and (count[c] >= 2 or alone)), key=lambda c: (-total[c], c)):
-            if total[cls] >= PEER_SHARE * ours and not self._nested(cls, chosen):
+        # a class stacked in the same container as the block class is a layer of that stack whatever its share (a
+        # hybrid's few attention layers among its Mamba layers: Jamba's 4 in 32, which torchtitan's loop over the
+        # stack shards each)
+        stacked = {self._modules[c].cls for m in kids if self._modules[m].cls == main
+                   for c in self._modules[parent_of(m)].children}
+        for cls in sorted((c for c in total if c != main and (count[c] >= 2 or alone or c in stacked)),
+                          key=lambda c: (-total[c], c)):
+            if (total[cls] >= PEER_SHARE * ours or cls in stacked) and not self._nested(cls, chosen):
                 chosen.append(cls)
         return tuple(chosen)
 

@@ -29,6 +29,7 @@ from fsdp_planner.trace.events import (
     KERNEL_LINEAR_ATTENTION,
     KERNEL_MAMBA_SCAN,
     KERNEL_OTHER,
+    KERNEL_SELECTIVE_SCAN,
     OpClass,
 )
 from fsdp_planner.trace.failures import check_operand_dtypes, mark, op_name
@@ -124,6 +125,7 @@ _ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attentio
 _ATTENTION = -1  # _kernel_kinds' mark of an attention op
 _LINEAR_ATTENTION = -2  # ... of linear attention's (``linear_attention.py``: its forward and backward ops)
 _MAMBA_SCAN = -3  # ... of Mamba-2's conv and scan (``mamba_scan.py``)
+_SELECTIVE_SCAN = -4  # ... of Mamba-1's selective scan (``selective_scan.py``)
 _kernel_kinds: dict[object, int | None] = {}  # func -> its first matrix's argument index, _ATTENTION, or None
 
 
@@ -135,7 +137,8 @@ def _kind(func: Any) -> int | None:
         name = str(getattr(func, "__name__", func))
         kind = _MATMULS.get(func, _ATTENTION if any(w in name for w in _ATTENTION_WORDS) else
                             _LINEAR_ATTENTION if "chunk_gated_delta_rule" in name or "chunk_kda" in name else
-                            _MAMBA_SCAN if "mamba_conv_scan" in name else None)
+                            _MAMBA_SCAN if "mamba_conv_scan" in name else
+                            _SELECTIVE_SCAN if "selective_scan" in name else None)
         _kernel_kinds[func] = kind
         return kind
 
@@ -143,7 +146,7 @@ def _kind(func: Any) -> int | None:
 def kernel_of(func: Any, args: tuple, kwargs: dict) -> int:
     """The ``Event.kernel`` of an op: a matmul's smallest dim, ``KERNEL_ATTENTION`` for a fused attention kernel
     (forward or backward; ``KERNEL_CAUSAL_ATTENTION`` when causal), ``KERNEL_LINEAR_ATTENTION`` for Gated DeltaNet's,
-    ``KERNEL_MAMBA_SCAN`` for Mamba-2's scan, else ``KERNEL_OTHER``."""
+    ``KERNEL_MAMBA_SCAN`` for Mamba-2's scan, ``KERNEL_SELECTIVE_SCAN`` for Mamba-1's, else ``KERNEL_OTHER``."""
     kind = _kind(func)
     if kind is None:
         return KERNEL_OTHER
@@ -151,6 +154,8 @@ def kernel_of(func: Any, args: tuple, kwargs: dict) -> int:
         return KERNEL_LINEAR_ATTENTION
     if kind == _MAMBA_SCAN:
         return KERNEL_MAMBA_SCAN
+    if kind == _SELECTIVE_SCAN:
+        return KERNEL_SELECTIVE_SCAN
     if kind == _ATTENTION:
         return KERNEL_CAUSAL_ATTENTION if _is_causal(func, args, kwargs) else KERNEL_ATTENTION
     a, b = args[kind], args[kind + 1]
