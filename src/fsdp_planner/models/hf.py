@@ -377,6 +377,33 @@ def encoder_note(model: nn.Module) -> str | None:
             "blocks but attends both ways (about twice the causal attention's FLOPs) and another head")
 
 
+def mtp_note(model: nn.Module) -> str | None:
+    """Said, not silent: a config's multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's, dots.llm1's
+    ``num_nextn_predict_layers``), which transformers does not build, are left out of the plan."""
+    layers = getattr(getattr(model, "config", None), "num_nextn_predict_layers", None)
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        return None
+    return (f"the config's num_nextn_predict_layers = {layers}: transformers builds no multi-token-prediction layer, "
+            f"so the plan leaves out its {layers} layer(s) (their params, their step's work), which a job training "
+            "with MTP runs too (torchtitan's deepseek_v3 where its MTP is on)")
+
+
+def dense_experts_note(model: nn.Module) -> str | None:
+    """Said, not silent: transformers' Llama 4 experts layer runs every token through every expert (the router's
+    scores zero those it did not pick: ``Llama4TextMoe`` repeats the tokens once per expert), so its expert matmuls
+    are experts / top-k times a routed dispatch's, as transformers trains it."""
+    layers = [m for m in model.modules() if type(m).__name__ == "Llama4TextMoe"]
+    if not layers:
+        return None
+    experts, top_k = getattr(layers[0], "num_experts", None), getattr(layers[0], "top_k", None)
+    if not (isinstance(experts, int) and isinstance(top_k, int) and top_k > 0):
+        return None
+    return (f"Llama 4's experts layers ({len(layers):,}; transformers' Llama4TextMoe) run every token through all "
+            f"{experts} experts, the router's scores zeroing those it did not pick: their expert matmuls are "
+            f"{experts / top_k:g}x a routed dispatch's ({top_k} of {experts}), as transformers trains them "
+            "(torchtitan's llama4 runs the routed tokens only)")
+
+
 def is_encoder(model_type: str) -> bool:
     """An encoder architecture (masked LM) that transformers also builds as a causal LM (BERT, RoBERTa)."""
     from transformers.models.auto import modeling_auto as auto

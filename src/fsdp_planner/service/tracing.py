@@ -66,6 +66,7 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr, lm.model),
                  mamba_note(tr, lm.model), selective_scan_note(tr, lm.model), routing_note(spec, routed[0]),
                  own_checkpointing_note(lm.own_checkpointing), positions, encoder,
+                 *((hf.mtp_note(lm.model), hf.dense_experts_note(lm.model)) if hf.is_hf(spec.name) else ()),
                  hf.version_note() if hf.is_hf(spec.name) else None):
         if line:
             note(line)
