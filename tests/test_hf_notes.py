@@ -51,3 +51,11 @@ def test_mtp_layers_transformers_does_not_build_are_said(tmp_path, layers):
     model = load_model(write(tmp_path, config, "dsv3"), meta=True).model
     said = hf.mtp_note(model)
     assert (said is not None and said.startswith("the config's num_nextn_predict_layers = 1")) == (layers == 1)
+
+
+def test_an_integer_given_to_a_float_field_is_taken_as_the_float():
+    """``--hf-config router_jitter_noise=0`` failed in transformers' strict config ("expected float, got int")."""
+    data = {"model_type": "mixtral", "router_jitter_noise": 0.01}
+    got = hf.with_overrides(data, (("router_jitter_noise", 0), ("num_local_experts", 4)))
+    assert type(got["router_jitter_noise"]) is float and got["router_jitter_noise"] == 0.0
+    assert type(got["num_local_experts"]) is int

@@ -459,13 +459,16 @@ def with_overrides(data: dict[str, Any], overrides: Overrides) -> dict[str, Any]
     """The config's fields with a training step's on top (no KV cache, whatever the file says: checkpoints ship
     ``use_cache: true`` for generation), then the user's ``--hf-config``; a key the config does not have is an
     error (a typo would otherwise be a silent no-op)."""
+    given = dict(overrides)
     if overrides:
         known = _config(data)
-        for key, _ in overrides:
+        for key, value in overrides:
             # (a method or a dunder, to_dict or __class__, is no field: set, transformers raised on it)
             if key.startswith("_") or not hasattr(known, key) or callable(getattr(known, key)):
                 raise PlannerError(f"--hf-config {key}: the '{data['model_type']}' config has no field '{key}'")
-    return {**data, **TRAINING_FIELDS, **dict(overrides)}
+            if type(getattr(known, key)) is float and type(value) is int:  # (=0 for a float field: transformers'
+                given[key] = float(value)  # strict dataclass refuses the int)
+    return {**data, **TRAINING_FIELDS, **given}
 
 
 def _fixed_sequences(find: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
