@@ -221,6 +221,23 @@ def test_a_module_kept_in_fp32_that_modifies_its_inputs_in_place_is_refused():
     with pytest.raises(PlannerError, match=r"fp32_modules: '1' cannot have the FSDP2 group of its own.*in place"):
         trace(model, (x,), precision="bf16-mixed", fp32_modules=["1"])
     assert trace(model, (x,), precision="bf16-mixed", fp32_modules=["2"]).full_precision == ("2",)
+    assert trace(model, (x,), precision="fp32", fp32_modules=["1"]).full_precision == ()  # nothing kept apart
+    holder = nn.Sequential(nn.Linear(16, 16), _Holder(), nn.Linear(16, 4)).to("meta")  # its own param and a child
+    with pytest.raises(PlannerError, match=r"fp32_modules: '1' cannot have"):
+        trace(holder, (x,), precision="bf16-mixed", fp32_modules=["1"])
+
+
+class _Holder(nn.Module):
+    """A module that modifies its input in place, with a param of its own beside a child's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.inner = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x *= 1.01
+        return self.inner(x) * self.scale
 
 
 class Router(nn.Module):

@@ -53,9 +53,12 @@ def test_mtp_layers_transformers_does_not_build_are_said(tmp_path, layers):
     assert (said is not None and said.startswith("the config's num_nextn_predict_layers = 1")) == (layers == 1)
 
 
-def test_an_integer_given_to_a_float_field_is_taken_as_the_float():
+def test_an_integer_given_to_a_float_field_is_taken_as_the_float(tmp_path):
     """``--hf-config router_jitter_noise=0`` failed in transformers' strict config ("expected float, got int")."""
-    data = {"model_type": "mixtral", "router_jitter_noise": 0.01}
-    got = hf.with_overrides(data, (("router_jitter_noise", 0), ("num_local_experts", 4)))
-    assert type(got["router_jitter_noise"]) is float and got["router_jitter_noise"] == 0.0
-    assert type(got["num_local_experts"]) is int
+    config = {"model_type": "mixtral", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+              "router_jitter_noise": 0.01}
+    spec = ModelSpec(write(tmp_path, config, "mixtral"), batch_size=1, seq_len=16,
+                     hf_config=(("router_jitter_noise", 0), ("num_local_experts", 2)))
+    model = load_model(spec, meta=True).model
+    assert model.config.router_jitter_noise == 0.0 and model.config.num_local_experts == 2

@@ -215,12 +215,12 @@ def test_kimi_delta_attention_saves_what_fla_s_function_saves():
 
 
 def test_kimi_delta_attention_s_backward_workspace():
-    """h and dh per chunk and w, qg, kg, u, v_new and dv in the inputs' dtype; dAqk, dAkk, two passes' dq, dk and
-    dg, and two db in fp32 (fla/ops/kda/chunk_bwd.py, chunk_intra.py)."""
+    """h and dh per chunk and w, qg, kg, u and v_new in the inputs' dtype; dAqk, dAkk, two passes' dq, dk and dg,
+    and two db in fp32 (fla/ops/kda/chunk_bwd.py, chunk_intra.py); not the dv it returns, an output."""
     do = torch.empty(2, 130, 4, 16, device="meta", dtype=torch.bfloat16)  # 3 chunks of 64, value head dim 16
     q = torch.empty(2, 130, 4, 32, device="meta", dtype=torch.bfloat16)
     states = 2 * (2 * 3 * 4 * 32 * 16) * 2
-    bf16 = 2 * 130 * 4 * (3 * 32 + 3 * 16) * 2
+    bf16 = 2 * 130 * 4 * (3 * 32 + 2 * 16) * 2
     fp32 = 2 * 130 * 4 * (2 * 64 + 6 * 32 + 2) * 4
     assert workspace_bytes(torch.ops.fsdp_planner.chunk_kda_backward.default, (do, q), {}) == states + bf16 + fp32
 

@@ -202,15 +202,15 @@ register_flop_formula([torch.ops.fsdp_planner.chunk_gated_delta_rule_backward,
 def kda_backward_workspace(do: torch.Tensor, q: torch.Tensor) -> int:
     """Bytes FLA's ``chunk_kda_bwd`` holds besides its outputs at its peak (``chunk_kda_bwd_intra``, its locals kept
     to the end): h and dh, one dk x dv matrix per chunk and value head each, in the queries' dtype; w, qg and kg (dk
-    wide) and u, v_new and the new dv (dv wide) in it too; dAqk and dAkk (64 wide) in fp32; dq, dk and dg, and the
-    intra pass's dq, dk and dg again, in fp32 (dk wide each); db twice in fp32. Its outputs are those cast to the
-    inputs' dtypes."""
+    wide) and u and v_new (dv wide) in it too; dAqk and dAkk (64 wide) in fp32; dq, dk and dg, and the intra pass's
+    dq, dk and dg again, in fp32 (dk wide each); db twice in fp32. The dv it returns is an output (the earlier dv
+    passes are dropped as each replaces the last); its other outputs are those cast to the inputs' dtypes."""
     batch, tokens, v_heads, dv = do.shape
     dk = q.shape[-1]
     chunks = -(-tokens // CHUNK)
     states = 2 * batch * chunks * v_heads * dk * dv * q.element_size()
     rows = batch * tokens * v_heads
-    return states + rows * ((3 * dk + 3 * dv) * q.element_size() + 4 * (2 * CHUNK + 6 * dk + 2))
+    return states + rows * ((3 * dk + 2 * dv) * q.element_size() + 4 * (2 * CHUNK + 6 * dk + 2))
 
 
 def chunk_rule(reference: Callable[..., Any], op: Callable[..., tuple] = _forward) -> Callable[..., Any]:

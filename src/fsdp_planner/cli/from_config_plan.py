@@ -300,7 +300,7 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
         render.plain(f"{held}: auto's plan for this job, nothing to change" if same else
                      f"{held}, and auto's differs ({differs}): write auto's with --out plan.json, then "
                      f"`fsdp-planner export plan.json --format {fmt}` again")
-    elif _same_plan(result):
+    elif _same_plan(result) and not _faster_than_auto(result):
         render.plain("auto's plan is the config's job: nothing to change")
     else:
         if result.edit is not None:

@@ -380,7 +380,9 @@ def encoder_note(model: nn.Module) -> str | None:
 def mtp_note(model: nn.Module) -> str | None:
     """Said, not silent: a config's multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's, dots.llm1's
     ``num_nextn_predict_layers``), which transformers does not build, are left out of the plan."""
-    layers = getattr(getattr(model, "config", None), "num_nextn_predict_layers", None)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # (a VLM's decoder's)
+    layers = getattr(text, "num_nextn_predict_layers", None)
     if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
         return None
     return (f"the config's num_nextn_predict_layers = {layers}: transformers builds no multi-token-prediction layer, "

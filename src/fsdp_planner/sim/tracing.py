@@ -22,7 +22,7 @@ from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.input_casts import float32_subject
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.fsdp2.targets import shardable_cover
+from fsdp_planner.fsdp2.targets import records_outputs, shardable_cover
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.sim.options import precision_named
 from fsdp_planner.trace.failures import LOSS, FailedOp, failed_at, first_line
@@ -145,17 +145,24 @@ def checked_fp32_modules(model: nn.Module, names: Sequence[str]) -> tuple[str, .
 
 
 def _groupable_fp32(tr: Trace, names: Sequence[str]) -> Trace:
-    """``tr``, where each of ``names`` (the user's fp32 modules) can have the fp32 group of its own that keeps it
-    in fp32; a module whose forward modifies its inputs in place cannot (``ModuleInfo.shardable``): refused rather
-    than left, silently, in its block's group computing in the precision's dtype."""
+    """``tr``, where each of ``names`` (the user's fp32 modules) kept in fp32 (``Trace.full_precision``: not under a
+    precision that casts nothing) can have the fp32 groups that keep all of its params so: FSDP2 cannot shard a
+    module whose forward modifies its inputs in place, nor a transformers sub-model that records outputs, and such
+    a module's own params would stay, silently, in the group above computing in the precision's dtype."""
     for name in names:
-        if not shardable_cover(tr, name):
-            raise PlannerError(f"fp32_modules: '{name}' cannot have the FSDP2 group of its own that keeps it in fp32: "
-                               "its forward modifies its inputs in place, which fully_shard on it breaks (FSDP2 hands "
-                               "a module's inputs on through an autograd function, and autograd refuses an in-place "
-                               "change of its outputs); leave it out of fp32_modules, or stop the in-place op (a "
-                               "router scaling its input by jitter noise in training, as Phi-MoE's: a model option "
-                               "turns it off, --hf-config input_jitter_noise=0.0 there)")
+        info = tr.modules[name]
+        if name not in tr.full_precision or (info.shardable and not records_outputs(tr, name)) or \
+                (shardable_cover(tr, name) and not info.params):
+            continue
+        why = ("it is a transformers sub-model that records outputs, which fully_shard would stop recording"
+               if records_outputs(tr, name) else
+               "its forward modifies its inputs in place, which fully_shard on it breaks (FSDP2 hands a module's "
+               "inputs on through an autograd function, and autograd refuses an in-place change of its outputs)")
+        raise PlannerError(f"fp32_modules: '{name}' cannot have the FSDP2 group of its own that keeps its params in "
+                           f"fp32: {why}; leave it out of fp32_modules, or name its children instead" +
+                           ("" if records_outputs(tr, name) else
+                            " or stop the in-place op (a router scaling its input by jitter noise in training, as "
+                            "Phi-MoE's: a model option turns it off, --hf-config input_jitter_noise=0.0 there)"))
     return tr
 
 

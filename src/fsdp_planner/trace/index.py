@@ -349,11 +349,10 @@ class TraceIndex:
         # composite child: its share is its instances')
         ours = total.get(main, sum(numel[m] for m, info in self._modules.items() if info.cls == main))
         alone = count.get(main, 0) < 2  # (a stack of layers of several kinds, one of each: each is a block)
-        # a class stacked in the same container as the block class is a layer of that stack whatever its share (a
-        # hybrid's few attention layers among its Mamba layers: Jamba's 4 in 32, which torchtitan's loop over the
-        # stack shards each)
-        stacked = {self._modules[c].cls for m in kids if self._modules[m].cls == main
-                   for c in self._modules[parent_of(m)].children}
+        # a class stacked between the block class's instances in their container is a layer of that stack whatever
+        # its share (a hybrid's few attention layers among its Mamba layers: Jamba's 4 in 32, which torchtitan's
+        # loop over the stack shards each); not a module at either end of it (an embedding or a head)
+        stacked = self._interleaved(main)
         for cls in sorted((c for c in total if c != main and (count[c] >= 2 or alone or c in stacked)),
                           key=lambda c: (-total[c], c)):
             if (total[cls] >= PEER_SHARE * ours or cls in stacked) and not self._nested(cls, chosen):
@@ -366,6 +365,15 @@ class TraceIndex:
         ``--compile`` compiles and the order policy keeps whole."""
         classes = self.checkpoint_block_classes
         return tuple(m for m, info in self._modules.items() if info.cls in classes)
+
+    def _interleaved(self, cls: str) -> set[str]:
+        """The classes of the modules that sit between two instances of ``cls`` in a container holding them."""
+        out: set[str] = set()
+        for parent in {parent_of(m) for m, info in self._modules.items() if info.cls == cls and m != ROOT}:
+            children = self._modules[parent].children
+            at = [i for i, c in enumerate(children) if self._modules[c].cls == cls]
+            out.update(self._modules[c].cls for c in children[at[0] + 1:at[-1]])
+        return out
 
     def _nested(self, cls: str, classes: list[str]) -> bool:
         """Whether an instance of ``cls`` sits inside, or holds, an instance of one of ``classes``."""
