@@ -118,3 +118,33 @@ def test_a_tiny_jamba_trains_on_two_gloo_ranks_with_parity(tmp_path, monkeypatch
                  "--time-steps", "0")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
+
+
+def test_the_plan_records_the_kernels_it_assumes_and_its_export_checks_for_them(tmp_path):
+    """A plan whose figures assume mamba_ssm's kernel says so (``kernels``), reads back, and its exported code warns
+    where the launching Python lacks the package (this CPU machine has no mamba_ssm); a plan file naming another
+    package is refused in one sentence."""
+    import warnings
+
+    from fsdp_planner.apply.export import export_plan
+    from fsdp_planner.choices import ExportFormat
+    from fsdp_planner.errors import PlannerError
+    from fsdp_planner.fsdp2.plan import Plan
+
+    out = tmp_path / "plan.json"
+    r = run_main("plan", tiny(tmp_path), "--policy", "titan", "--cluster", "h100:2", "--seq", "64", "--out",
+                 str(out), "-q")
+    assert r.returncode == 0, r.stdout + r.stderr
+    plan = Plan.load(out)
+    assert plan.kernels == ("mamba-ssm",)
+    source = export_plan(plan, ExportFormat.PYTHON)
+    namespace: dict = {}
+    exec(compile(source, "exported.py", "exec"), namespace)  # (the export's own code: a module of definitions)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        namespace["check_kernels"]()
+    assert [str(w.message)[:60] for w in caught] == ["the plan's step time and memory assume mamba-ssm's kernels, "]
+    bad = json.loads(out.read_text())
+    bad["kernels"] = ["cuda-magic"]
+    with pytest.raises(PlannerError, match="plan 'kernels' must be a list of flash-linear-attention, mamba-ssm"):
+        Plan.from_json(json.dumps(bad))

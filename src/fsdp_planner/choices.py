@@ -137,6 +137,11 @@ class AttentionKernel(Enum):
 
 ATTENTION_NAMES = tuple(k.value for k in AttentionKernel)
 
+# the GPU kernel packages a plan's figures can assume for linear-time mixers (a plan's ``kernels``), by the name pip
+# installs them under -> the module Python imports: without them transformers runs PyTorch references, whose time
+# and activations are far above the kernels'
+KERNEL_PACKAGES = {"flash-linear-attention": "fla", "mamba-ssm": "mamba_ssm"}
+
 
 # The keys of ``sim.options.PRECISIONS`` and ``OPTIMIZERS``, in their order (tests/test_cli_start.py keeps them equal).
 PRECISION_NAMES = ("fp32", "bf16-mixed", "pure-bf16", "autocast", "autocast-nocache")

@@ -31,7 +31,7 @@ import fsdp_planner.apply.torchtitan_parallelize as titan
 from fsdp_planner.apply.expert_parallel import expert_reduction
 from fsdp_planner.apply.fully_shard import module_parents
 from fsdp_planner.apply.torchtitan_job import torchtitan_job
-from fsdp_planner.choices import DEFAULT_PRECISION, ExportFormat, ReduceDtype
+from fsdp_planner.choices import DEFAULT_PRECISION, KERNEL_PACKAGES, ExportFormat, ReduceDtype
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.claim import dag_ancestors, hooked_modules, shard_order, topological_order
@@ -264,6 +264,23 @@ def full_precision(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
                                 output_dtype=policy.param_dtype, cast_forward_inputs=True)
 """
 
+MESH_LINE = "    mesh = mesh or make_mesh()\n"
+KERNELS_LINE = "    check_kernels()\n"
+KERNELS_TAIL = '''
+
+def check_kernels() -> None:
+    """A warning for each kernel package (KERNELS: pip name -> module) the plan's time and memory assume that this
+    Python cannot import: transformers then runs its PyTorch reference of those layers, whose activations are far
+    larger than the plan's."""
+    import importlib.util
+    import warnings
+
+    for package, module in KERNELS.items():
+        if importlib.util.find_spec(module) is None:
+            warnings.warn(f"the plan's step time and memory assume {package}'s kernels, which this Python lacks "
+                          f"(pip install {package}): transformers runs its PyTorch reference of those layers instead, "
+                          "far slower and holding far more memory", stacklevel=2)
+'''
 CHECKPOINT_LINE = "        _checkpoint(modules[name])\n"
 SELECTIVE_LOOP = """    for name, policy in SELECTIVE.items():  # op-level selective activation checkpointing
         _checkpoint_selective(modules[name], policy)
@@ -580,7 +597,7 @@ def float8_constants(f8: Float8) -> str:
     return f"FLOAT8: dict[str, Any] = {py_literal(settings)}  # float8 training (torchao), as the plan was simulated\n"
 
 
-TP_APPLY_LINE = "    mesh = mesh or make_mesh()\n"
+TP_APPLY_LINE = MESH_LINE
 TP_SPLIT = """    mesh, tp_mesh = split_mesh(mesh)  # TP: parallelize_module over tp first, then FSDP over the dp dims
     tensor_parallel(model, tp_mesh)
 """
@@ -1085,6 +1102,10 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         loop = SELECTIVE_LOOP if plan.selective_checkpointing else ""
         body = body.replace(CHECKPOINT_LINE + loop, CHECKPOINT_LINE + loop + OFFLOAD_LOOP)
         tails += OFFLOAD_TAIL
+    if plan.kernels:  # the kernels its figures assume: said at run time where this Python lacks them
+        constants += f"KERNELS: dict[str, str] = {py_literal({k: KERNEL_PACKAGES[k] for k in plan.kernels})}\n"
+        body = body.replace(MESH_LINE, KERNELS_LINE + MESH_LINE)
+        tails += KERNELS_TAIL
     fp32 = [i for i, g in enumerate(plan.inner_groups) if g.param_dtype == "fp32"]
     if fp32:
         constants += f"FP32_GROUPS: list[int] = {py_literal(fp32)}  # groups computing in fp32 (full_precision)\n"

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fsdp_planner.choices import ATTENTION_NAMES, OPTIMIZER_NAMES, PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
+from fsdp_planner.choices import (
+    ATTENTION_NAMES,
+    KERNEL_PACKAGES,
+    OPTIMIZER_NAMES,
+    PRECISION_NAMES,
+    SAC_POLICY_NAMES,
+    SacPolicy,
+)
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import printable_name
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel, expert_parallel_from_dict
@@ -34,7 +41,7 @@ PLAN_VERSION = 1
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
              "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8", "workload",
-             "optimizer", "checkpoint_early_stop", "compiled_loss")
+             "optimizer", "checkpoint_early_stop", "compiled_loss", "kernels")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -195,6 +202,8 @@ class Plan:
     reduce_dtype: str = ""  # MixedPrecisionPolicy.reduce_dtype the user chose ("fp32", "bf16"); "": the precision's
     attention: str = ""  # the attention kernel the plan was made for (--attention: choices.ATTENTION_NAMES); "": the
     # default (sdpa, or a Hugging Face model's own implementation)
+    kernels: tuple[str, ...] = ()  # the kernel packages its figures assume for linear-time mixers
+    # (choices.KERNEL_PACKAGES: FLA's, mamba_ssm's), which its export checks for at run time
     hf_config: Mapping[str, Any] = field(default_factory=FrozenDict)  # the --hf-config fields the model was
     # planned with (an hf: model's config fields set over its file's, e.g. use_cache): verify and check rebuild it
     activation_offloading: tuple[str, ...] = ()  # modules whose every call's saved tensors go
@@ -349,6 +358,8 @@ class Plan:
             d["reduce_dtype"] = self.reduce_dtype
         if self.attention:  # absent: the default kernel, as plans written before it was recorded
             d["attention"] = self.attention
+        if self.kernels:
+            d["kernels"] = list(self.kernels)
         if self.activation_offloading:
             d["activation_offloading"] = list(self.activation_offloading)
         if self.tensor_parallel is not None:
@@ -431,7 +442,8 @@ def _plan_from_dict(data: Any) -> Plan:
                 mesh=_mesh_from_dict(data.get("mesh")),
                 forward_methods=_methods_from_list(data.get("forward_methods", [])),
                 precision=_precision_from(data.get("precision", "")),
-                attention=_attention_from(data.get("attention", "")), hf_config=_hf_config_from(model),
+                attention=_attention_from(data.get("attention", "")), kernels=_kernels_from(data.get("kernels", [])),
+                hf_config=_hf_config_from(model),
                 activation_offloading=_offloaded_from(data.get("activation_offloading", [])),
                 tensor_parallel=tensor_parallel_from_dict(data.get("tensor_parallel")),
                 expert_parallel=expert_parallel_from_dict(data.get("expert_parallel")),
@@ -514,6 +526,14 @@ def _attention_from(value: Any) -> str:
     if value != "" and value not in ATTENTION_NAMES:
         raise PlannerError(f"plan 'attention' must be one of {', '.join(ATTENTION_NAMES)}, got {shown_json(value)}")
     return str(value)
+
+
+def _kernels_from(items: Any) -> tuple[str, ...]:
+    """``["flash-linear-attention"]``: the kernel packages the plan's figures assume; absent: none."""
+    if not _str_list(items) or len(set(items)) != len(items) or any(k not in KERNEL_PACKAGES for k in items):
+        raise PlannerError(f"plan 'kernels' must be a list of {', '.join(KERNEL_PACKAGES)}, each once, got "
+                           f"{shown_json(items)}")
+    return tuple(items)
 
 
 def _offloaded_from(items: Any) -> list[str]:

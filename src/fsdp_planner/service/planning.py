@@ -65,6 +65,7 @@ from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import with_memory_options
 from fsdp_planner.sim.tensor_parallel import TPView, data_parallel_plan, tp_view, view_key
+from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN, KERNEL_SELECTIVE_SCAN
 from fsdp_planner.trace.records import Trace
 
 Tracer = Callable[[ModelSpec, SimOptions], Trace]  # the step of one micro-batch of the model, in the options' dtypes
@@ -142,11 +143,19 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
         float8 = dataclasses.replace(float8, tp_float8_all_gather=False)  # to gather (a plan file without TP
         # refuses the setting)
     return dataclasses.replace(plan, precision=job.options.precision.name, optimizer=job.options.optimizer.name,
-                               attention=job.model.attention or "",
+                               attention=job.model.attention or "", kernels=assumed_kernels(tr),
                                hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled),
                                compiled_loss=tr.compiled_loss is not None, float8=float8,
                                workload=_workload(plan, job),
                                checkpoint_early_stop=_early_stop(plan, job.options))
+
+
+def assumed_kernels(tr: Trace) -> tuple[str, ...]:
+    """The kernel packages (``choices.KERNEL_PACKAGES``) whose stand-ins the trace ran: FLA's for linear attention
+    (``linear_attention.py``), mamba_ssm's for Mamba's scans (``mamba_scan.py``, ``selective_scan.py``)."""
+    kernels = {e.kernel for e in tr.events if e.is_op and not e.backward}
+    return (*(["flash-linear-attention"] if KERNEL_LINEAR_ATTENTION in kernels else []),
+            *(["mamba-ssm"] if kernels & {KERNEL_MAMBA_SCAN, KERNEL_SELECTIVE_SCAN} else []))
 
 
 def _early_stop(plan: Plan, options: SimOptions) -> bool:
