@@ -189,6 +189,22 @@ def test_accelerate_hsdp_from_its_parallelism_config(tmp_path):
     assert (a.cluster, a.mesh) == ("h100:16", "2x8")
 
 
+def test_accelerate_s_context_and_sequence_parallel_options(tmp_path):
+    """accelerate 1.16 launches with cp_backend, cp_comm_strategy, sp_size, sp_backend, ... beside the sizes: the
+    options are read past (cp_backend was refused as a misspelled cp_size), sp_size counts in the ranks
+    (Accelerate's total_size) and, above 1, is refused as another job, as cp_size is."""
+    base = "fsdp_config:\n  fsdp_version: 2\nnum_processes: 8\nparallelism_config:\n"
+    options = "  parallelism_config_cp_backend: torch\n  parallelism_config_sp_backend: deepspeed\n"
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, base + "  parallelism_config_dp_shard_size: 8\n" + options)))
+    assert (cfg.world, cfg.notes) == (8, [])
+    with pytest.raises(PlannerError, match="parallelism_config_sp_size = 2: fsdp-planner does not model sequence "
+                                           "parallelism"):
+        read_config(ACCELERATE, str(accel(tmp_path, base + "  parallelism_config_dp_shard_size: 4\n"
+                                                           "  parallelism_config_sp_size: 2\n" + options)))
+    with pytest.raises(PlannerError, match=r"dp_shard_size 4 x tp_size 1 x cp_size 1 x sp_size 1 make 4 ranks"):
+        read_config(ACCELERATE, str(accel(tmp_path, base + "  parallelism_config_dp_shard_size: 4\n")))
+
+
 @pytest.mark.parametrize(("strategy", "reshard", "replicate"), [
     ("FULL_SHARD", "always", 1), ("SHARD_GRAD_OP", "never", 1), ("HYBRID_SHARD", "always", 2),
     ("_HYBRID_SHARD_ZERO2", "never", 2),

@@ -12,6 +12,7 @@ pass ``shown_json``. Torch-free: the reading is checked before anything is trace
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -664,12 +665,14 @@ def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
             cfg, "parallelism_config.parallelism_config_tp_size", par["parallelism_config_tp_size"])
     refuse_other_job(cfg, "parallelism_config.parallelism_config_cp_size", par.get("parallelism_config_cp_size", 1),
                      "context parallelism")
+    refuse_other_job(cfg, "parallelism_config.parallelism_config_sp_size", par.get("parallelism_config_sp_size", 1),
+                     "sequence parallelism (Accelerate's sp_size: DeepSpeed's ALST/Ulysses)")
     if par.get("parallelism_config_dp_replicate_size", 1) not in (1, None):
         cfg.replicate = _int(cfg, "parallelism_config.parallelism_config_dp_replicate_size",
                              par["parallelism_config_dp_replicate_size"])
     _check_parallelism_size(cfg, par)
     for name in par:  # a key no size reads is said, not dropped: an unprefixed size would silently leave TP out
-        if name in ACCELERATE_PARALLELISM_KEYS:
+        if name in ACCELERATE_PARALLELISM_KEYS or name in ACCELERATE_PARALLELISM_OPTIONS:
             continue
         said = shown_json(name)[1:-1]
         known = f"parallelism_config_{name}" if f"parallelism_config_{name}" in ACCELERATE_PARALLELISM_KEYS else None
@@ -681,8 +684,14 @@ def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
                          "without it")
 
 
-ACCELERATE_DIMS = ("dp_replicate", "dp_shard", "tp", "cp")  # ParallelismConfig's sizes, whose product is its ranks
+ACCELERATE_DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # ParallelismConfig's sizes (accelerate 1.16),
+# whose product is its ranks
 ACCELERATE_PARALLELISM_KEYS = {f"parallelism_config_{d}_size" for d in ACCELERATE_DIMS}
+# the options of context and sequence parallelism `accelerate launch` also takes (accelerate 1.16's
+# commands/launch.py): read past, their sizes above 1 refused
+ACCELERATE_PARALLELISM_OPTIONS = {f"parallelism_config_{o}" for o in (
+    "cp_backend", "cp_comm_strategy", "sp_backend", "sp_seq_length", "sp_seq_length_is_variable",
+    "sp_attn_implementation")}
 
 
 def _check_parallelism_size(cfg: JobConfig, par: dict[str, Any]) -> None:
@@ -693,7 +702,7 @@ def _check_parallelism_size(cfg: JobConfig, par: dict[str, Any]) -> None:
     sizes = {d: par.get(f"parallelism_config_{d}_size") for d in ACCELERATE_DIMS}
     sizes = {d: 1 if v is None else _int(cfg, f"parallelism_config.parallelism_config_{d}_size", v)
              for d, v in sizes.items()}
-    total = sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"] * sizes["cp"]
+    total = math.prod(sizes.values())
     if cfg.world and total != 1 and total != cfg.world:
         product = " x ".join(f"{d}_size {v}" for d, v in sizes.items())
         raise PlannerError(f"accelerate config '{cfg.path}': parallelism_config's {product} make {total} ranks, and "
