@@ -18,14 +18,14 @@ gradients ``dh`` (one dk x dv matrix per chunk and value head each), and the (T,
 attention kernel's, at ``FLA_SHARE_OF_FLASH`` of its efficiency (``sim/compute.py``). Not modelled: FLA's dispatch
 to FlashQLA's kernels on SM90 and newer where the ``flash_qla`` package is installed.
 
-Kimi delta attention (KDA: Kimi Linear, GLM-5-Next, Bailing hybrid in transformers) is the same delta rule with a
-decay per key channel. transformers' reference (``chunk_kimi_delta_attention``) is a loop too; on a GPU it runs FLA's
-``chunk_kda``, whose ``ChunkKDAFunction`` saves q and k (normalised, with reciprocal norms), v, the fp32 chunk-local
-cumulative gates, the gates it was given, beta and two (T, 64) matrices per value head (``Aqk`` and ``Akk``), and
-makes ``w``, ``u``, ``qg``, ``kg``, ``v_new`` and ``h`` again in backward (``disable_recompute`` off, its default).
-Its ``tl.dot`` shapes are the gated delta rule's (the per-channel decay scales q and k elementwise before them), so
-its FLOPs are ``chunk_flops`` too; FLA publishes no KDA row beside FlashAttention, so its time is GDN's
-``FLA_SHARE_OF_FLASH``: an estimate.
+Kimi delta attention (KDA: Kimi Linear, Bailing hybrid, GLM-5-Next's layers in transformers) is the same delta rule
+with a decay per key channel. transformers' reference (``chunk_kimi_delta_attention``) is a loop too; on a GPU it
+runs FLA's ``chunk_kda``, whose ``ChunkKDAFunction`` saves q and k (normalised, with reciprocal norms), v, the fp32
+chunk-local cumulative gates, the gates it was given, beta and two (T, 64) matrices per value head (``Aqk`` and
+``Akk``), and makes ``w``, ``u``, ``qg``, ``kg``, ``v_new`` and ``h`` again in backward (``disable_recompute`` off,
+its default). Its ``tl.dot`` shapes are the gated delta rule's (the per-channel decay scales q and k elementwise
+before them), so its FLOPs are ``chunk_flops`` too; FLA publishes no KDA row beside FlashAttention, so its time is
+GDN's ``FLA_SHARE_OF_FLASH``: an estimate.
 """
 
 from __future__ import annotations
@@ -215,19 +215,24 @@ def kda_backward_workspace(do: torch.Tensor, q: torch.Tensor) -> int:
 
 def chunk_rule(reference: Callable[..., Any], op: Callable[..., tuple] = _forward) -> Callable[..., Any]:
     """``reference`` (transformers' ``torch_chunk_gated_delta_rule``, or ``chunk_kimi_delta_attention`` with ``op``
-    KDA's) on real tensors; FLA's kernels (``op``) on planned ones. Sequences packed together (``cu_seqlens``) and a
-    recurrent state carried in or out are generation's, not a training step's: the reference takes them."""
+    KDA's) on real tensors; FLA's kernels (``op``) on planned ones, a cache's final state too (a training step with
+    ``use_cache``: its layers take the kernels whether or not they are checkpointed, as they do on a GPU). Sequences
+    packed together (``cu_seqlens``) and a recurrent state carried in are generation's: the reference takes them."""
 
     def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              chunk_size: int = CHUNK, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
              use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not planned(query) or initial_state is not None or output_final_state or chunk_size != CHUNK or \
+        if not planned(query) or initial_state is not None or chunk_size != CHUNK or \
                 kwargs.get("cu_seqlens") is not None:
             return reference(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                              output_final_state=output_final_state,
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
         out = op(query.contiguous(), key.contiguous(), value.contiguous(), g, beta, use_qk_l2norm_in_kernel)
-        return out[0], None
+        # a cache's final state (use_cache): FLA's fp32 (value heads, dk, dv) state a sequence, the kernel's last
+        batch, _, v_heads, dv = value.shape
+        final = query.new_empty(batch, v_heads, query.shape[-1], dv, dtype=torch.float32) \
+            if output_final_state else None
+        return out[0], final
 
     rule.__wrapped_by_fsdp_planner__ = True  # type: ignore[attr-defined]
     rule.__wrapped__ = reference  # type: ignore[attr-defined]

@@ -83,18 +83,20 @@ torch.library.register_autograd("fsdp_planner::selective_scan", _grads, setup_co
 
 
 def fused_scan(reference: Callable[..., Any]) -> Callable[..., Any]:
-    """``reference`` (transformers' ``mamba_selective_scan``) on real tensors; mamba_ssm's kernel on planned ones.
-    A last state returned (a cache) or a scan without D, a gate or a delta bias is generation's or another mixer's:
-    the reference takes it."""
+    """``reference`` (transformers' ``mamba_selective_scan``) on real tensors; mamba_ssm's kernel on planned ones,
+    with a cache's last state where asked (``use_cache``). A scan without D, a gate or a delta bias is another
+    mixer's: the reference takes it."""
 
     def scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              D: torch.Tensor | None = None, z: torch.Tensor | None = None, delta_bias: torch.Tensor | None = None,
              delta_softplus: bool = False, return_last_state: bool = False, **kwargs: Any) -> Any:
-        if not planned(hidden_states) or return_last_state or D is None or z is None or delta_bias is None:
+        if not planned(hidden_states) or D is None or z is None or delta_bias is None:
             return reference(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
                              delta_softplus=delta_softplus, return_last_state=return_last_state, **kwargs)
-        return _forward(hidden_states.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), D,
-                        z.contiguous(), delta_bias, delta_softplus)[0]
+        out, _, x = _forward(hidden_states.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), D,
+                             z.contiguous(), delta_bias, delta_softplus)
+        # a cache's last state (use_cache): a view of the chunk states, as SelectiveScanFn returns it
+        return (out, x[:, :, -1, 1::2]) if return_last_state else out
 
     scan.__wrapped_by_fsdp_planner__ = True  # type: ignore[attr-defined]
     scan.__wrapped__ = reference  # type: ignore[attr-defined]
