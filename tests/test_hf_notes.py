@@ -62,3 +62,16 @@ def test_an_integer_given_to_a_float_field_is_taken_as_the_float(tmp_path):
                      hf_config=(("router_jitter_noise", 0), ("num_local_experts", 2)))
     model = load_model(spec, meta=True).model
     assert model.config.router_jitter_noise == 0.0 and model.config.num_local_experts == 2
+
+
+def test_an_expert_count_is_named_by_the_field_the_config_has(tmp_path):
+    """Jamba stores num_experts, which transformers also answers as num_local_experts (an alias): the message named
+    the alias, a field the user's config does not have (a new user's trial)."""
+    from fsdp_planner.errors import PlannerError
+
+    config = {"model_type": "jamba", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+              "vocab_size": 256, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    spec = ModelSpec(write(tmp_path, config, "jamba"), hf_config=(("num_experts", 1),))
+    with pytest.raises(PlannerError, match=r"num_experts_per_tok \(2\) must be from 1 to its num_experts \(1\)"):
+        load_model(spec, meta=True)

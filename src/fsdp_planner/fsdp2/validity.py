@@ -135,7 +135,8 @@ def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
     would run inside the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped")."""
     ep = plan.expert_parallel
     if ep is not None and ep.per_param_mesh:  # no hooks of their own, but EP's dispatch inside the graph
-        experts = [m for g in plan.groups for m in g.modules if any(matches(p, m) for p in ep.modules)]
+        # (sharded in their blocks' calls, the experts are no group's modules: the plan names them in its EP)
+        experts = [*ep.modules, *(m for g in plan.groups for m in g.modules if any(matches(p, m) for p in ep.modules))]
         inside_ep = next(_modules_inside(experts, compiled), None)
         if inside_ep is not None:
             raise PlannerError(f"{ep_in_compiled_block(*inside_ep)}: {EP_COMPILED_FIX}")

@@ -245,9 +245,10 @@ _EXPERT_TOP_K = ("num_experts_per_tok", "moe_top_k")
 def _check_experts(config: Any) -> None:
     """A MoE config's expert count and the experts each token picks: a router's ``topk`` of more experts than
     there are fails in the forward ("k not in range"), so the fields are named here."""
-    count = next(((f, v) for f in _EXPERT_COUNTS if isinstance(v := getattr(config, f, None), int)
+    aliases = getattr(config, "attribute_map", {})  # (Jamba's num_local_experts reads its num_experts: named so)
+    count = next(((f, v) for f in _EXPERT_COUNTS if f not in aliases and isinstance(v := getattr(config, f, None), int)
                   and not isinstance(v, bool)), None)
-    top_k = next(((f, v) for f in _EXPERT_TOP_K if isinstance(v := getattr(config, f, None), int)
+    top_k = next(((f, v) for f in _EXPERT_TOP_K if f not in aliases and isinstance(v := getattr(config, f, None), int)
                   and not isinstance(v, bool)), None)
     if count is not None and count[1] < 1:
         raise PlannerError(f"the '{config.model_type}' config's {count[0]} is {count[1]}: a MoE layer needs at "

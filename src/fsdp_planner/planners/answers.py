@@ -30,6 +30,7 @@ from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity
 from fsdp_planner.fsdp2.plan import Mesh, Plan
+from fsdp_planner.fsdp2.validity import check_compiled_groups
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import candidate_meshes
 from fsdp_planner.planners.blocks import block_instances
@@ -89,6 +90,7 @@ def _over_budget_finding(base: StepReport, budget: MemoryBudget, checkpointed: b
 def _step(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions) -> StepReport | None:
     """An alternative's simulated step; None when it cannot run there (that alternative is not an answer)."""
     try:
+        check_compiled_groups(plan, tr.compiled)  # (EP's dispatch or a group inside a compiled block: not modelled)
         return simulate(tr, plan, cluster, options, timeline=False)
     except PlannerError:
         return None
@@ -304,6 +306,12 @@ def compile_answer(other: Trace, plan: Plan, cluster: Cluster, options: SimOptio
                    budget: MemoryBudget) -> Finding | None:
     """The plan's step on ``other``, the same model traced with its blocks compiled (or eager, for a trace that
     compiles them), against ``base``."""
+    if other.compiled:
+        try:
+            check_compiled_groups(plan, other.compiled)
+        except PlannerError as e:  # said, not silent: the user would otherwise try --compile on this plan
+            return Finding(Severity.INFO, Code.COMPILE_PAYS, "torch.compile of the repeated blocks (--compile): not "
+                           "compared for this plan", str(e))
     alt = _step(other, plan, cluster, options)
     if alt is None:
         return None

@@ -497,15 +497,18 @@ def _auto(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter, earl
     groups (EP on its MoE model), which is planned again with the wrapper's."""
     free = dataclasses.replace(kw, policy=PolicyName.AUTO.value, ac=None, ac_policy=None, mesh=None, offload=False)
 
-    def search(early_stop: object) -> PlanOutcome:
+    def search(early_stop: object, to: Reporter = reporter) -> PlanOutcome:
         return plan(dataclasses.replace(plan_job(dataclasses.replace(free, early_stop=early_stop), _CLI),
-                                        must_fit=False), tracer, reporter)
+                                        must_fit=False), tracer, to)
 
     wrapper = cfg.kind == TORCHTITAN and cfg.plan is None and cfg.early_stop is not None and not early_stop_given
     if wrapper and not (isinstance(kw.ep, int) and kw.ep > 1):
-        auto = search(None)
+        said: list[str] = []  # (its notes said only where this search is the one kept: the other's repeat them)
+        auto = search(None, dataclasses.replace(reporter, note=said.append))
         assert auto.search is not None
         if not keeps_torchtitan_groups(auto.search.plan):
+            for line in said:
+                reporter.note(line)
             return auto
     return search(kw.early_stop)
 

@@ -15,7 +15,7 @@ from fsdp_planner.fsdp2.expert_groups import check_expert_groups
 from fsdp_planner.fsdp2.float8 import OUTPUT_HEAD_FQNS
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
-from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
+from fsdp_planner.fsdp2.validity import check_compiled_groups, check_forward_methods, check_plan_runs
 from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model, written_defaults
 from fsdp_planner.planners.expert_parallel import check_ep_applies, ep_note, expert_modules
 from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout, tp_layout
@@ -75,6 +75,7 @@ def checked_on_model(read: Plan, path: str, tr: Trace, model: ModelSpec | str,
     check_same_model(plan, tr)  # (before the TP and EP checks, which read the groups)
     check_plan_tp(plan, tr, as_spec(model), note)
     check_plan_ep(plan, tr)
+    check_compiled_groups(plan, tr.compiled)  # (--compile's blocks: no group, nor EP's dispatch, inside them)
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     check_plan_methods(plan, model)

@@ -106,6 +106,9 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
     kept = as_written(plans[0], job, tr) if plans else None
     why = explained(auto) if job.explain and auto is not None and no_fit is None and \
         auto.plan.expert_parallel is None else None  # (the explanation reads the whole model's search, not EP's)
+    if job.explain and auto is not None and no_fit is None and auto.plan.expert_parallel is not None:
+        reporter.note("--explain's table of why the groups are where they are is left out: auto's groups were "
+                      "searched without EP and its EP screen laid the experts out after (its line above says how)")
     tp_fixed = any(p.name is PolicyName.AUTO and p.tp is not None for p in job.policies)
     return PlanOutcome(job, tr, tuple(rows), kept, auto, summarize(auto, tp_fixed) if auto else None, no_fit, splits,
                        why)
