@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -103,6 +104,30 @@ def run_main(*args: str) -> Done:
         warnings.showwarning = _printed
         code = main(list(args))
     return Done(code, out.getvalue(), err.getvalue())
+
+
+def verify_passes(*args: str) -> Done:
+    """``verify ARGS`` run (``run_main``), asserted to pass."""
+    r = run_main("verify", *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS" in r.stdout
+    return r
+
+
+def runs_the_reference(model: Any, layer: Any, name: str, ids: Any) -> None:
+    """A stand-in's wrapper (``name``, a module global of ``layer``'s modeling module) hands real tensors to the
+    function it wraps: ``model``'s output on ``ids`` is the same with the wrapper as with the wrapped function."""
+    import torch
+
+    from fsdp_planner.patching import patched
+
+    module = sys.modules[type(layer).__module__]
+    wrapper = getattr(module, name)
+    assert getattr(wrapper, "__wrapped_by_fsdp_planner__", False)
+    got = model(ids).logits
+    with patched(module, name, wrapper.__wrapped__):
+        want = model(ids).logits
+    assert torch.equal(got, want)
 
 
 def _printed(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_main
+from conftest import run_main, runs_the_reference, verify_passes
 
 pytest.importorskip("transformers")
 
@@ -125,10 +125,8 @@ def test_fla_s_kernels_in_a_profile_are_attention():
 def test_real_fsdp2_on_fake_ranks_allocates_as_predicted(tmp_path):
     """Real FSDP2 on 8 fake ranks runs the planned kernels (their fake implementations) under full checkpointing:
     counts, bytes and peak as the trace predicts."""
-    r = run_main("verify", tiny(tmp_path), "--policy", "titan", "--ac", "full", "--fake-world-size", "8",
-                 "--cluster", "h100:8", "--seq", "256")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "PASS" in r.stdout
+    verify_passes(tiny(tmp_path), "--policy", "titan", "--ac", "full", "--fake-world-size", "8", "--cluster",
+                  "h100:8", "--seq", "256")
 
 
 @pytest.mark.integration
@@ -229,19 +227,10 @@ def test_kimi_delta_attention_on_real_tensors_is_transformers_reference(tmp_path
     torch.manual_seed(0)
     model = load_model(tiny_kimi(tmp_path), meta=False).model
     layer = next(m for m in model.modules() if type(m).__name__ == "KimiLinearDeltaAttention")
-    module = sys.modules[type(layer).__module__]
-    rule = getattr(module, la.KDA_REFERENCE)
-    assert getattr(rule, "__wrapped_by_fsdp_planner__", False)
-    ids = torch.randint(0, 256, (2, 70))
-    got = model(ids).logits
-    with patched(module, la.KDA_REFERENCE, rule.__wrapped__):
-        want = model(ids).logits
-    assert torch.equal(got, want)
+    runs_the_reference(model, layer, la.KDA_REFERENCE, torch.randint(0, 256, (2, 70)))
 
 
 @pytest.mark.integration
 def test_a_tiny_kimi_linear_on_fake_ranks_allocates_as_predicted(tmp_path):
-    r = run_main("verify", tiny_kimi(tmp_path), "--policy", "titan", "--ac", "full", "--fake-world-size", "8",
-                 "--cluster", "h100:8", "--seq", "256")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "PASS" in r.stdout
+    verify_passes(tiny_kimi(tmp_path), "--policy", "titan", "--ac", "full", "--fake-world-size", "8", "--cluster",
+                  "h100:8", "--seq", "256")

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_main
+from conftest import run_main, runs_the_reference, verify_passes
 
 pytest.importorskip("transformers")
 
 from fsdp_planner import selective_scan as ss
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
-from fsdp_planner.patching import patched
 from fsdp_planner.sim.compute import op_times
 from fsdp_planner.sim.options import PRECISIONS
 from fsdp_planner.trace import record
@@ -92,32 +90,21 @@ def test_the_scan_saves_what_mamba_ssm_s_function_saves():
 def test_real_tensors_run_transformers_own_reference(tmp_path):
     torch.manual_seed(0)
     model = load_model(tiny(tmp_path), meta=False).model
-    mixer = next(m for m in model.modules() if ss._mixer(m))
-    module = sys.modules[type(mixer).__module__]
-    scan = getattr(module, ss.SCAN)
-    assert getattr(scan, "__wrapped_by_fsdp_planner__", False)
-    ids = torch.randint(0, 512, (2, 40))
-    got = model(ids).logits
-    with patched(module, ss.SCAN, scan.__wrapped__):
-        want = model(ids).logits
-    assert torch.equal(got, want)
+    runs_the_reference(model, next(m for m in model.modules() if ss._mixer(m)), ss.SCAN,
+                       torch.randint(0, 512, (2, 40)))
 
 
 @pytest.mark.integration
 def test_real_fsdp2_on_fake_ranks_allocates_as_predicted(tmp_path):
-    r = run_main("verify", tiny(tmp_path), "--policy", "titan", "--ac", "full", "--fake-world-size", "8",
-                 "--cluster", "h100:8", "--seq", "256")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "PASS" in r.stdout
+    verify_passes(tiny(tmp_path), "--policy", "titan", "--ac", "full", "--fake-world-size", "8", "--cluster",
+                  "h100:8", "--seq", "256")
 
 
 @pytest.mark.integration
 def test_a_tiny_jamba_trains_on_two_gloo_ranks_with_parity(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    r = run_main("verify", tiny(tmp_path), "--policy", "titan", "--nproc", "2", "--steps", "2", "--seq", "40",
-                 "--time-steps", "0")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "PASS" in r.stdout
+    verify_passes(tiny(tmp_path), "--policy", "titan", "--nproc", "2", "--steps", "2", "--seq", "40",
+                  "--time-steps", "0")
 
 
 def test_the_plan_records_the_kernels_it_assumes_and_its_export_checks_for_them(tmp_path):
@@ -160,7 +147,5 @@ def test_a_cache_asked_for_runs_the_kernel_too_and_real_fsdp2_agrees(tmp_path, e
     lm = load_model(ModelSpec(spec, batch_size=1, seq_len=64, hf_config=(("use_cache", True),)), meta=True)
     tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
     assert sum(1 for e in tr.events if e.is_op and e.kernel == KERNEL_SELECTIVE_SCAN) == 6
-    r = run_main("verify", spec, "--hf-config", "use_cache=true", "--policy", "module", *extra,
-                 "--fake-world-size", "4", "--seq", "128", "--cluster", "h100:4")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "PASS" in r.stdout
+    verify_passes(spec, "--hf-config", "use_cache=true", "--policy", "module", *extra, "--fake-world-size", "4",
+                  "--seq", "128", "--cluster", "h100:4")
