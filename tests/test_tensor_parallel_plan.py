@@ -741,7 +741,7 @@ def test_accelerate_tp_hsdp(tmp_path):
 
 @pytest.mark.parametrize(("sizes", "processes"), [((1, 8, 2), 8), ((2, 2, 2), 16), ((1, 4, 2), 16)])
 def test_accelerate_sizes_must_make_num_processes(tmp_path, sizes, processes):
-    """Accelerate's ParallelismConfig refuses a total size (dp_replicate x dp_shard x tp x cp) other than
+    """Accelerate's ParallelismConfig refuses a total size (dp_replicate x dp_shard x tp x cp x sp) other than
     num_processes (all machines' processes): dp_shard 8 x tp 2 on 8 processes is 16 ranks, refused before a plan."""
     replicate, shard, tp = sizes
     path = tmp_path / "job.yaml"
@@ -750,7 +750,8 @@ def test_accelerate_sizes_must_make_num_processes(tmp_path, sizes, processes):
                     f"  parallelism_config_dp_shard_size: {shard}\n  parallelism_config_tp_size: {tp}\n"
                     "  parallelism_config_cp_size: 1\n")
     with pytest.raises(PlannerError, match=rf"parallelism_config's dp_replicate_size {replicate} x dp_shard_size "
-                                           rf"{shard} x tp_size {tp} x cp_size 1 make {replicate * shard * tp} ranks, "
+                                           rf"{shard} x tp_size {tp} x cp_size 1 x sp_size 1 make "
+                                           rf"{replicate * shard * tp} ranks, "
                                            rf"and num_processes is {processes}, which Accelerate refuses"):
         read_config(ACCELERATE, str(path))
     path.write_text(path.read_text().replace(f"dp_shard_size: {shard}", f"dp_shard_size: {processes // 2 // replicate}"
