@@ -59,6 +59,7 @@ def same_job(a: JobConfig, b: JobConfig) -> None:
     mine = {k: v for k, v in vars(a).items() if k != "path"}
     theirs = {k: v for k, v in vars(b).items() if k != "path"}
     mine["notes"], theirs["notes"] = unchunked(mine["notes"]), unchunked(theirs["notes"])
+    del mine["loss_chunks"], theirs["loss_chunks"]  # (the registry's jobs chunk their loss, as the note dropped says)
     assert mine == theirs
 
 
@@ -1182,3 +1183,19 @@ def test_a_qwen3_5_job_is_planned_on_its_text_decoder_when_asked(capsys):
     assert "MODEL hf:qwen3.5-9b is the text decoder of the torchtitan job's multimodal model" in out.err
     assert "linear attention (24 gated DeltaNet calls)" in out.err
     assert json.loads(out.out)["step_time"] > 0
+
+
+@pytest.mark.integration
+def test_a_chunked_loss_job_over_the_budget_is_told_its_loss_is_over_counted(capsys):
+    """torchtitan's Qwen3.5 9B job on 8 H100s: nothing fits, the largest term being the loss, which the job already
+    computes in 8 chunks (ChunkedLossWrapper) and the step simulates whole. The verdict advised "a loss computed
+    in chunks" and to export auto's plan, which does not fit either (a new user's trial): it now says the job's
+    loss is chunked and the verdict pessimistic, and gives no export advice."""
+    pytest.importorskip("transformers")
+    spec = str(FIXTURES / "qwen3_5/config_registry.py:qwen35_9b")
+    assert read_config(TORCHTITAN, spec).loss_chunks == 8
+    assert main(["plan", "hf:qwen3.5-9b", "--from-torchtitan", spec, "--cluster", "h100:8"]) == 1
+    out = capsys.readouterr().out
+    assert "auto: no plan fits" in out and "logits and loss outside the model" in out
+    assert "the job computes its loss in 8 chunks (ChunkedLossWrapper)" in out
+    assert "fsdp-planner export plan.json" not in out

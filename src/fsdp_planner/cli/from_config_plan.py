@@ -23,6 +23,7 @@ from fsdp_planner.configs.torchtitan_registry import PLAN_NAME
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.planners.auto import PeakTerm
 from fsdp_planner.planners.config_edit import Setting
 from fsdp_planner.service.configured import ConfigOutcome, compare_config
 from fsdp_planner.service.fit import offload_verdict
@@ -317,9 +318,14 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
         elif kept:  # (auto's search did not find what the user's job has: never advice to export a slower plan)
             keep = "the edit" if kept.startswith("the edit") else "the config"
             render.plain(f"auto's plan is slower than {kept} here: keep {keep}")
-        else:
+        elif not result.no_fit:  # (no advice to export a plan that does not fit either: the verdict below says why)
             render.plain(_export_line(result, cfg, fmt))
     if result.no_fit:
         render.plain(f"auto: {result.no_fit}")
+        if cfg.loss_chunks is not None and PeakTerm.LOSS.value in result.no_fit:  # (the way out it names is the job's)
+            chunks = f"{cfg.loss_chunks} chunks" if cfg.loss_chunks else "its chunks"
+            render.plain(f"  the job computes its loss in {chunks} (ChunkedLossWrapper), simulated as one loss over "
+                         "the whole sequence (its note above): the loss's share of that peak is over-counted, so the "
+                         "verdict is pessimistic by up to that much")
     if args.out is not None:
         render.plain(f"plan written to {args.out}{written}")

@@ -20,6 +20,7 @@ from typing import Any
 
 from fsdp_planner.choices import TITAN_RECOMPUTE_FQNS, ACMode, PolicyName
 from fsdp_planner.configs.torchtitan_registry import (
+    LOSS_TABLE,
     PLAN_TABLE,
     TOKENS,
     default_tokens,
@@ -120,6 +121,7 @@ class JobConfig:
     keys: dict[str, Any] = field(default_factory=dict)  # dotted key -> value, each key read
     plan: str | None = None  # the plan JSON of an fsdp-planner export whose parallelize_fn the job keeps: its grouping
     notes: list[str] = field(default_factory=list)  # what is left out, one line each
+    loss_chunks: int | None = None  # a registry job's ChunkedLossWrapper chunks (0: not a literal), simulated whole
 
     @property
     def registry(self) -> bool:
@@ -159,7 +161,8 @@ def read_config(kind: str, path: str, flags: Sequence[str] = ()) -> JobConfig:
     or a registry job (``FILE.py:FUNCTION``, ``configs/torchtitan_registry.py``), ``flags`` its dotted overrides."""
     if kind == TORCHTITAN and is_registry_spec(path):
         data, notes = read_registry(path, parse_flags(flags))
-        cfg = JobConfig(kind, path, notes=notes, plan=data.pop(PLAN_TABLE, {}).get("plan"))
+        cfg = JobConfig(kind, path, notes=notes, plan=data.pop(PLAN_TABLE, {}).get("plan"),
+                        loss_chunks=data.pop(LOSS_TABLE, {}).get("chunks"))
         _titan(cfg, data)
         if cfg.batch is None and cfg.seq is None:
             cfg.default_workload = default_tokens()

@@ -691,7 +691,8 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
         elif key == "optimizer":
             data[key] = _optimizer(value, label, notes)
         elif key == "loss":
-            _loss(value, notes)
+            if (chunks := _loss(value, notes)) is not None:
+                data[LOSS_TABLE] = {"chunks": chunks}
         elif key in READ:
             data[key] = _section(key, value, label, notes)
         else:
@@ -709,11 +710,12 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
 DEFAULT_LOSS_CHUNKS = 8
 
 
-def _loss(value: Any, notes: list[str]) -> None:
+def _loss(value: Any, notes: list[str]) -> int | None:
     """``loss=``: torchtitan's whole-sequence ``CrossEntropyLoss`` is what the step simulates; any other, a note that
-    says what is simulated instead (the loss is often a step's memory peak: its logits and their fp32 copies)."""
+    says what is simulated instead (the loss is often a step's memory peak: its logits and their fp32 copies). A
+    ``ChunkedLossWrapper``'s chunks are returned (0 where not a literal): the verdict says them beside a loss peak."""
     if isinstance(value, Call) and value.kind == "CrossEntropyLoss":
-        return
+        return None
     if isinstance(value, Call) and value.kind == "ChunkedLossWrapper":
         chunks = value.fields.get("num_chunks", DEFAULT_LOSS_CHUNKS)
         shown = f"{chunks}" if type(chunks) is int else "its"
@@ -724,10 +726,11 @@ def _loss(value: Any, notes: list[str]) -> None:
                      "chunks: the output layer's weight gathered, its gradient accumulated unsharded in fp32 until "
                      "the one reduce-scatter at the last chunk (which the step has too), and an fp32 buffer of the "
                      "hidden states' gradient")
-        return
+        return chunks if type(chunks) is int else 0
     shown = value.name if isinstance(value, Call) else cut_short(str(value))
     notes.append(f"loss = {shown_json(shown)[1:-1]} is simulated as torchtitan's CrossEntropyLoss over the whole "
                  "sequence")
+    return None
 
 
 def _exported_plan(tree: ast.Module, label: str) -> str | None:
@@ -747,6 +750,7 @@ def _exported_plan(tree: ast.Module, label: str) -> str | None:
 
 PLAN_NAME = "FSDP_PLANNER_PLAN"  # the export's constant holding its plan (``apply/torchtitan_parallelize.py``)
 PLAN_TABLE = "fsdp_planner"  # the tables' key of that plan: {"plan": its JSON} (``JobConfig.plan``)
+LOSS_TABLE = "fsdp_planner_loss"  # the tables' key of a ChunkedLossWrapper's chunks (``JobConfig.loss_chunks``)
 EXPORTED_FN = "parallelize_fn"  # the export's function that applies it
 
 
