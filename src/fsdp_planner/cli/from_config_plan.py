@@ -258,6 +258,38 @@ def _export_line(result: Result, cfg: JobConfig, fmt: str) -> str:
                "models only)" if own else ""))
 
 
+def _advice(result: Result, cfg: JobConfig, fmt: str) -> None:
+    """The best edit of the config's keys (or that none pays), and which to keep: the config, the edit, or auto's
+    plan as its export runs."""
+    if result.edit is not None:
+        render.plain("  the edit: " + "; ".join(f"{c.key} = {c.new}" for c in result.edit[0]))
+    else:
+        within = "fits the budget" if not result.budget.fits(result.before.reserved_memory) else \
+            "is faster within the budget"
+        render.plain(f"no edit of the config's keys alone (its own grouping) {within}")
+    kept = _faster_than_auto(result)
+    if result.outcome.exported is not None:
+        if result.exported is not None:
+            render.plain(_step_line("auto's plan as exported (torchtitan's groups)", result.exported, result))
+        render.plain(_exported_advice(result, kept))
+    elif kept:  # (auto's search did not find what the user's job has: never advice to export a slower plan)
+        keep = "the edit" if kept.startswith("the edit") else "the config"
+        render.plain(f"auto's plan is slower than {kept} here: keep {keep}")
+    elif not result.no_fit:  # (no advice to export a plan that does not fit either: the verdict below says why)
+        render.plain(_export_line(result, cfg, fmt))
+
+
+def _no_fit(message: str, cfg: JobConfig) -> None:
+    """Auto's verdict where nothing fits; beside a loss peak, that the job's chunked loss is simulated whole (the
+    way out the verdict names is what the job does already)."""
+    render.plain(f"auto: {message}")
+    if cfg.loss_chunks is not None and PeakTerm.LOSS.value in message:
+        chunks = f"{cfg.loss_chunks} chunks" if cfg.loss_chunks else "its chunks"
+        render.plain(f"  the job computes its loss in {chunks} (ChunkedLossWrapper), simulated as one loss over the "
+                     "whole sequence (its note above): the loss's share of that peak is over-counted, so the verdict "
+                     "is pessimistic by up to that much")
+
+
 def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str, Any]:
     def step(r: StepReport | None) -> dict[str, Any] | None:
         return None if r is None else {**r.summary(), "budget": result.budget.to_dict(r.reserved_memory)}
@@ -304,28 +336,8 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
     elif _same_plan(result) and not _faster_than_auto(result):
         render.plain("auto's plan is the config's job: nothing to change")
     else:
-        if result.edit is not None:
-            render.plain("  the edit: " + "; ".join(f"{c.key} = {c.new}" for c in result.edit[0]))
-        else:
-            within = "fits the budget" if not result.budget.fits(result.before.reserved_memory) else \
-                "is faster within the budget"
-            render.plain(f"no edit of the config's keys alone (its own grouping) {within}")
-        kept = _faster_than_auto(result)
-        if result.outcome.exported is not None:
-            if result.exported is not None:
-                render.plain(_step_line("auto's plan as exported (torchtitan's groups)", result.exported, result))
-            render.plain(_exported_advice(result, kept))
-        elif kept:  # (auto's search did not find what the user's job has: never advice to export a slower plan)
-            keep = "the edit" if kept.startswith("the edit") else "the config"
-            render.plain(f"auto's plan is slower than {kept} here: keep {keep}")
-        elif not result.no_fit:  # (no advice to export a plan that does not fit either: the verdict below says why)
-            render.plain(_export_line(result, cfg, fmt))
+        _advice(result, cfg, fmt)
     if result.no_fit:
-        render.plain(f"auto: {result.no_fit}")
-        if cfg.loss_chunks is not None and PeakTerm.LOSS.value in result.no_fit:  # (the way out it names is the job's)
-            chunks = f"{cfg.loss_chunks} chunks" if cfg.loss_chunks else "its chunks"
-            render.plain(f"  the job computes its loss in {chunks} (ChunkedLossWrapper), simulated as one loss over "
-                         "the whole sequence (its note above): the loss's share of that peak is over-counted, so the "
-                         "verdict is pessimistic by up to that much")
+        _no_fit(result.no_fit, cfg)
     if args.out is not None:
         render.plain(f"plan written to {args.out}{written}")
