@@ -82,14 +82,20 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 @_forward.register_fake
 def _forward_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   l2norm: bool) -> tuple[torch.Tensor, ...]:
+    batch, tokens, _, _ = q.shape
+    return (*_normed_outputs(q, k, v, l2norm), g.new_empty(batch, tokens, v.shape[-2], dtype=torch.float32),
+            k.new_empty(batch, tokens, v.shape[-2], CHUNK))
+
+
+def _normed_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l2norm: bool) -> tuple[torch.Tensor, ...]:
+    """(o, q normalised, q's reciprocal norms, k normalised, k's): what FLA's delta-rule functions (GDN's and KDA's)
+    return and save first; without the norm they save the inputs themselves, nothing new."""
     batch, tokens, k_heads, _ = q.shape
     v_heads, dv = v.shape[-2:]
-    normed = 1 if l2norm else 0  # without the norm FLA saves the inputs themselves: nothing new
+    normed = 1 if l2norm else 0
     return (q.new_empty(batch, tokens, v_heads, dv),
             q.new_empty(q.shape if l2norm else (0,)), q.new_empty(batch * normed, tokens, k_heads, dtype=torch.float32),
-            k.new_empty(k.shape if l2norm else (0,)), k.new_empty(batch * normed, tokens, k_heads, dtype=torch.float32),
-            g.new_empty(batch, tokens, v_heads, dtype=torch.float32),
-            k.new_empty(batch, tokens, v_heads, CHUNK))
+            k.new_empty(k.shape if l2norm else (0,)), k.new_empty(batch * normed, tokens, k_heads, dtype=torch.float32))
 
 
 @torch.library.custom_op("fsdp_planner::chunk_gated_delta_rule_backward", mutates_args=())
@@ -159,8 +165,9 @@ def _kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 @_kda_forward.register_fake
 def _kda_forward_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       l2norm: bool) -> tuple[torch.Tensor, ...]:
-    o, qn, q_rstd, kn, k_rstd, _, a = _forward_fake(q, k, v, beta, beta, l2norm)
-    return o, qn, q_rstd, kn, k_rstd, g.new_empty(g.shape, dtype=torch.float32), a, torch.empty_like(a)
+    batch, tokens, _, _ = q.shape
+    a = k.new_empty(batch, tokens, v.shape[-2], CHUNK)
+    return (*_normed_outputs(q, k, v, l2norm), g.new_empty(g.shape, dtype=torch.float32), a, torch.empty_like(a))
 
 
 @torch.library.custom_op("fsdp_planner::chunk_kda_backward", mutates_args=())

@@ -106,22 +106,23 @@ def fused_scan(reference: Callable[..., Any]) -> Callable[..., Any]:
 def install(model: nn.Module) -> int:
     """Wrap the selective scan of every modeling module ``model``'s Mamba-1 mixers come from (``fused_scan``), once
     per module; how many of ``model``'s modules are such mixers (0: none)."""
-    count = 0
-    for m in model.modules():
-        module = sys.modules.get(type(m).__module__)
-        scan = getattr(module, SCAN, None)
-        if not (_mixer(m) and callable(scan)):
-            continue
-        count += 1
+    found = [m for m in model.modules() if _runs_scan(m)]
+    for m in found:
+        module = sys.modules[type(m).__module__]
+        scan = getattr(module, SCAN)
         if not getattr(scan, "__wrapped_by_fsdp_planner__", False):
             setattr(module, SCAN, fused_scan(scan))
-    return count
+    return len(found)
 
 
 def mixers(model: nn.Module) -> int:
     """How many of ``model``'s modules are Mamba-1 mixers whose modeling module has the scan."""
-    return sum(1 for m in model.modules()
-               if _mixer(m) and callable(getattr(sys.modules.get(type(m).__module__), SCAN, None)))
+    return sum(1 for m in model.modules() if _runs_scan(m))
+
+
+def _runs_scan(module: nn.Module) -> bool:
+    """A Mamba-1 mixer (``_mixer``) whose modeling module holds transformers' scan."""
+    return _mixer(module) and callable(getattr(sys.modules.get(type(module).__module__), SCAN, None))
 
 
 def _mixer(module: nn.Module) -> bool:
