@@ -19,6 +19,7 @@ MAX_SEQ = 10_000_000
 MAX_TOKENS = 1_000_000_000  # batch x seq: a micro-batch per rank
 MAX_NUMEL = 10**15  # min_nonwrapped_numel: parameters, a thousand times the largest model trained
 MAX_SEARCH_EFFORT = 10**9  # search_effort: plans; the default is at most a few thousand
+MAX_LOSS_CHUNKS = 1024  # loss_chunks: torchtitan's ChunkedLossWrapper defaults to 8; each chunk a few launches
 MIN_MFU = 1e-3  # mfu: below 0.1% of peak no GPU runs, and step times grow past any meaning
 
 # A model's architecture numbers (layers, hidden sizes, heads, vocabulary), from a Hugging Face config.json,

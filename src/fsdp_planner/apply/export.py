@@ -425,6 +425,9 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
     lines.append(f"COMPILED: list[str] = {py_literal(list(plan.compiled))}")
     lines.append(f"COMPILED_LOSS: bool = {py_literal(plan.compiled_loss)}  # True: the plan's memory is of the loss "
                  "torch.compile'd: run yours as loss_fn = torch.compile(loss_fn)")
+    lines.append(f"LOSS_CHUNKS: int = {py_literal(plan.loss_chunks)}  # > 0: the plan's memory is of the output layer "
+                 "and the loss run in that many chunks of the tokens, each with its backward (torchtitan's "
+                 "ChunkedLossWrapper): run yours so")
     lines.append(f"FORWARD_METHODS: list[tuple[str, str]] = {py_literal([tuple(m) for m in plan.forward_methods])}")
     lines.append(f"FORWARD_PREFETCH: dict[int, list[int]] = {py_literal(fwd)}")
     lines.append(f"BACKWARD_PREFETCH: dict[int, list[int]] = {py_literal(bwd)}")

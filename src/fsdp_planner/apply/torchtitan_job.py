@@ -306,6 +306,13 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
     body += [f"    config.training.{k} = {literal(v)}" for k, v in settings["training"].items()]
     fields = "".join(f"\n        {k}={literal(v)}," for k, v in settings["parallelism"].items())
     body.append(f"    config.parallelism = ParallelismConfig({fields}\n    )")
+    if plan.loss_chunks:  # the loss the plan's figures are of (a base job's own replaced: some chunk it, some not)
+        imports.append("from torchtitan.components.loss import ChunkedLossWrapper")
+        body.append(f"    config.loss = ChunkedLossWrapper.Config(num_chunks={literal(plan.loss_chunks)})")
+    elif base is not None:
+        imports.append("from torchtitan.components.loss import CrossEntropyLoss")
+        body.append("    config.loss = CrossEntropyLoss.Config()  # the plan's loss: whole (--loss-chunks N for "
+                    "torchtitan's ChunkedLossWrapper)")
     if ac:
         imports.append(f"from torchtitan.distributed.activation_checkpoint import {ac}")
     body.append(f"    config.activation_checkpoint = {ac + '.Config()' if ac else 'None'}")

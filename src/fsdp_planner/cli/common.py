@@ -96,4 +96,6 @@ def run_flags(job: PlanJob, split: bool, workload: bool = False) -> str:
         flags.append("--compile")
     if model.compile_loss:
         flags.append("--compile-loss")
+    if model.loss_chunks:
+        flags += ["--loss-chunks", str(model.loss_chunks)]
     return f" (simulated as: give simulate and verify {' '.join(flags)})" if flags else ""

@@ -283,11 +283,10 @@ def _no_fit(message: str, cfg: JobConfig) -> None:
     """Auto's verdict where nothing fits; beside a loss peak, that the job's chunked loss is simulated whole (the
     way out the verdict names is what the job does already)."""
     render.plain(f"auto: {message}")
-    if cfg.loss_chunks is not None and PeakTerm.LOSS.value in message:
-        chunks = f"{cfg.loss_chunks} chunks" if cfg.loss_chunks else "its chunks"
-        render.plain(f"  the job computes its loss in {chunks} (ChunkedLossWrapper), simulated as one loss over the "
-                     "whole sequence (its note above): the loss's share of that peak is over-counted, so the verdict "
-                     "is pessimistic by up to that much")
+    if cfg.loss_chunks == 0 and PeakTerm.LOSS.value in message:
+        render.plain("  the job computes its loss in chunks (ChunkedLossWrapper) of a number not read, simulated as "
+                     "one loss over the whole sequence (its note above): the loss's share of that peak is "
+                     "over-counted, so the verdict is pessimistic by up to that much")
 
 
 def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str, Any]:

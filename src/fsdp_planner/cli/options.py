@@ -163,6 +163,10 @@ def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:
                     help="the loss runs torch.compile'd apart from the model, as torchtitan's compile.components "
                          "\"loss\": what it holds is what AOTAutograd's partitioner and inductor's fusion make (a "
                          "language model's cross-entropy without its fp32 copies of the logits; recorded in the plan)")
+    sp.add_argument("--loss-chunks", type=int, default=None, metavar="N",
+                    help="the output layer and the loss run in N chunks of the tokens, each with its backward, as "
+                         "torchtitan's ChunkedLossWrapper (its default: 8): one chunk's logits alive at a time, "
+                         "beside an fp32 buffer of the hidden states' gradient (2 to 1,024; recorded in the plan)")
     sp.add_argument("--routing", type=float, default=None, metavar="CAPACITY",
                     help="capacity factor of the balanced-routing stand-in that data-dependent ops (a torch.where "
                          "or nonzero router, .item() checks) run while planned: each expert gets tokens x top_k / "

@@ -15,11 +15,23 @@ from fsdp_planner.cli.requests import plan_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_time, json_text
 from fsdp_planner.fsdp2.checkpointing import titan_routers
-from fsdp_planner.planners.answers import compile_answer, compile_loss_answer, compiled_float8_answer, float8_answer
+from fsdp_planner.fsdp2.pitfalls import Finding
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.models import ModelSpec
+from fsdp_planner.planners.answers import (
+    ANSWER_LOSS_CHUNKS,
+    compile_answer,
+    compile_loss_answer,
+    compiled_float8_answer,
+    float8_answer,
+    loss_chunks_answer,
+)
 from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.service.fit import offload_verdict
+from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome
 from fsdp_planner.service.planning import as_written, judged_model, plan
+from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.userfiles import write_atomic
 
@@ -169,6 +181,24 @@ def _what_ifs(outcome: PlanOutcome) -> None:
             loss = tracer(job.measure, job.full_trace)(
                 dataclasses.replace(model, compile_loss=not model.compile_loss), job.options)
             found.append(compile_loss_answer(loss, plan, job.cluster, job.options, base, job.budget))
+    found.append(_loss_chunks_answer(job, model, plan, base))
     for f in found:
         if f is not None:
             render.console.print(escape(f"{f.message}: {f.fix}"), highlight=False)
+
+
+def _loss_chunks_answer(job: PlanJob, model: ModelSpec, plan: Plan, base: StepReport) -> Finding | None:
+    """With ``--explain``, auto's plan with the output layer and loss in torchtitan's default chunks beside it (a
+    job with chunks: beside its loss whole); None where the model cannot run them (its loss in its forward, a
+    soft-cap after its output layer, tokens that do not split). Traced on meta, its notes unsaid (they describe
+    the alternative, not the job); a measured job has none."""
+    if not (model.loss_chunks or job.explain) or job.cluster is None or job.budget is None or job.measure:
+        return None
+    other = dataclasses.replace(model, loss_chunks=0 if model.loss_chunks else ANSWER_LOSS_CHUNKS)
+    try:
+        trace = trace_spec(other, job.options.precision, job.full_trace)
+    except PlannerError:
+        return None
+    if trace.loss_chunks == model.loss_chunks:  # (no output layer found: the loss traced as it was)
+        return None
+    return loss_chunks_answer(trace, plan, job.cluster, job.options, base, job.budget)

@@ -31,6 +31,7 @@ from fsdp_planner.service.planning import Reporter, judged_model, stamped
 from fsdp_planner.service.tracing import routing_skips
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
+from fsdp_planner.trace.chunked_loss import output_layer
 from fsdp_planner.trace.records import Trace
 
 
@@ -299,7 +300,8 @@ def run_fake(request: FakeWorldRequest) -> int:
         measured = run_fake_world(model, plan, world, options.precision, zero_grad=options.zero_grad,
                                   micro_batches=options.micro_batches,
                                   reshard_after_backward=options.reshard_after_backward,
-                                  gradient_sync=options.gradient_sync, optimizer=options.optimizer)
+                                  gradient_sync=options.gradient_sync, optimizer=options.optimizer,
+                                  loss_head=head.module if (head := output_layer(tr)) is not None else None)
     rows = beside_prediction(predicted, measured)
     exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
     error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0

@@ -121,7 +121,8 @@ class JobConfig:
     keys: dict[str, Any] = field(default_factory=dict)  # dotted key -> value, each key read
     plan: str | None = None  # the plan JSON of an fsdp-planner export whose parallelize_fn the job keeps: its grouping
     notes: list[str] = field(default_factory=list)  # what is left out, one line each
-    loss_chunks: int | None = None  # a registry job's ChunkedLossWrapper chunks (0: not a literal), simulated whole
+    loss_chunks: int | None = None  # a registry job's ChunkedLossWrapper chunks (--loss-chunks; 0: none read, simulated
+    # whole)
 
     @property
     def registry(self) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short
-from fsdp_planner.limits import MAX_SEQ, MAX_TOKENS
+from fsdp_planner.limits import MAX_LOSS_CHUNKS, MAX_SEQ, MAX_TOKENS
 from fsdp_planner.userfiles import MAX_CONFIG_BYTES, read_text, shown_json
 
 # torchtitan's model flavours that are fsdp-planner's built-in models or shipped transformers configs (the same
@@ -718,15 +718,16 @@ def _loss(value: Any, notes: list[str]) -> int | None:
         return None
     if isinstance(value, Call) and value.kind == "ChunkedLossWrapper":
         chunks = value.fields.get("num_chunks", DEFAULT_LOSS_CHUNKS)
-        shown = f"{chunks}" if type(chunks) is int else "its"
-        notes.append(f"loss = ChunkedLossWrapper ({shown} chunks of the sequence, each running the output layer "
-                     "and the loss with its own backward) is simulated as one cross-entropy over the whole "
-                     "sequence: the loss's own peak (the whole sequence's logits, and what the loss makes of them) "
-                     f"is over-counted, up to {shown}-fold; not counted are what the wrapper holds through its "
-                     "chunks: the output layer's weight gathered, its gradient accumulated unsharded in fp32 until "
-                     "the one reduce-scatter at the last chunk (which the step has too), and an fp32 buffer of the "
-                     "hidden states' gradient")
-        return chunks if type(chunks) is int else 0
+        if type(chunks) is int and 2 <= chunks <= MAX_LOSS_CHUNKS:
+            return chunks  # simulated as the wrapper runs (--loss-chunks: ``trace/chunked_loss.py``)
+        if type(chunks) is int and chunks == 1:
+            notes.append("loss = ChunkedLossWrapper with num_chunks = 1: one chunk, the whole sequence at once")
+            return None
+        notes.append(f"loss = ChunkedLossWrapper with num_chunks = {cut_short(repr(chunks))} (not a whole number "
+                     f"from 2 to {MAX_LOSS_CHUNKS:,}) is simulated as one cross-entropy over the whole sequence: "
+                     "the loss's own peak (the whole sequence's logits, and what the loss makes of them) is "
+                     "over-counted")
+        return 0
     shown = value.name if isinstance(value, Call) else cut_short(str(value))
     notes.append(f"loss = {shown_json(shown)[1:-1]} is simulated as torchtitan's CrossEntropyLoss over the whole "
                  "sequence")

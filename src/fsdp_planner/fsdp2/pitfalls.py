@@ -66,6 +66,7 @@ class Code(Enum):
     FORWARD_PREFETCH = "forward-prefetch"  # info: explicit forward prefetch vs implicit, where the host waits
     COMPILE_PAYS = "compile"  # info: the step with the repeated blocks torch.compile'd vs eager (or the reverse)
     COMPILE_LOSS_PAYS = "compile-loss"  # info: the step with the loss torch.compile'd vs eager (or the reverse)
+    LOSS_CHUNKS_PAY = "loss-chunks"  # info: the step with the output layer and loss in chunks vs whole (or reverse)
     FLOAT8_PAYS = "float8"  # info: the step with torchao's float8 training (tensorwise, float8 all-gather) vs without
     RECORDED_OUTPUTS = "recorded-outputs"
     CHECKPOINTED_RUNNING_STATS = "checkpointed-running-stats"

@@ -32,7 +32,7 @@ from fsdp_planner.fsdp2.expert_parallel import ExpertParallel, expert_parallel_f
 from fsdp_planner.fsdp2.float8 import Float8, float8_from_dict
 from fsdp_planner.fsdp2.frozen import FrozenDict
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, matches, tensor_parallel_from_dict
-from fsdp_planner.limits import check_field
+from fsdp_planner.limits import MAX_LOSS_CHUNKS, check_field
 from fsdp_planner.trace.tree import ROOT
 from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atomic
 
@@ -41,7 +41,7 @@ PLAN_VERSION = 1
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
              "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8", "workload",
-             "optimizer", "checkpoint_early_stop", "compiled_loss", "kernels")
+             "optimizer", "checkpoint_early_stop", "compiled_loss", "kernels", "loss_chunks")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -224,6 +224,8 @@ class Plan:
     # re-runs each one's whole forward in backward, as torchtitan's checkpoint wrapper does (--no-early-stop)
     compiled_loss: bool = False  # the loss torch.compile'd apart from the model, as torchtitan's
     # compile.components "loss" (--compile-loss; ``trace/compiled_loss.py``): what an export compiles
+    loss_chunks: int = 0  # the output layer and the loss run in this many chunks of the tokens, as torchtitan's
+    # ChunkedLossWrapper (--loss-chunks; ``trace/chunked_loss.py``): what an export's loss does; 0: whole
 
     def __post_init__(self) -> None:
         _tuples(self, ("groups", "activation_checkpointing", "activation_offloading", "compiled"))
@@ -277,6 +279,8 @@ class Plan:
         parts = [f"{n} module{'s' if n != 1 else ''} compiled"] if n else []
         if self.compiled_loss:
             parts.append("loss compiled")
+        if self.loss_chunks:
+            parts.append(f"loss in {self.loss_chunks} chunks")
         if self.float8 is not None:
             parts.append(f"float8 {self.float8.recipe.value}"
                          + (" (TP all-gathers in float8)" if self.float8.tp_float8_all_gather else ""))
@@ -370,6 +374,8 @@ class Plan:
             d["compiled"] = list(self.compiled)
         if self.compiled_loss:  # absent: the loss runs eager, as plans written before it read
             d["compiled_loss"] = True
+        if self.loss_chunks:  # absent: the loss over the whole sequence at once
+            d["loss_chunks"] = self.loss_chunks
         if self.float8 is not None:
             d["float8"] = self.float8.to_dict()
         if self.workload is not None:
@@ -451,6 +457,7 @@ def _plan_from_dict(data: Any) -> Plan:
                 workload=_workload_from(data.get("workload")), optimizer=_optimizer_from(data.get("optimizer", "")),
                 checkpoint_early_stop=_early_stop_from(data.get("checkpoint_early_stop", True)),
                 compiled_loss=_compiled_loss_from(data.get("compiled_loss", False)),
+                loss_chunks=_loss_chunks_from(data.get("loss_chunks", 0)),
                 **_memory_options(data))
     plan = _with_its_ep(plan)
     check_int_reshard_on_dim0(plan)
@@ -548,6 +555,13 @@ def _compiled_loss_from(value: Any) -> bool:
     if not isinstance(value, bool):
         raise PlannerError(f"plan 'compiled_loss' must be true (the loss runs torch.compile'd, --compile-loss) or "
                            f"false, got {shown_json(value)}")
+    return value
+
+
+def _loss_chunks_from(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not (value == 0 or 2 <= value <= MAX_LOSS_CHUNKS):
+        raise PlannerError(f"plan 'loss_chunks' must be a whole number from 2 to {MAX_LOSS_CHUNKS:,} (the loss in "
+                           f"that many chunks, --loss-chunks) or 0, got {shown_json(value)}")
     return value
 
 

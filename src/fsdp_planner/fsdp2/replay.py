@@ -18,13 +18,15 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import NamedTuple
 
 from fsdp_planner.fsdp2.checkpointing import recomputed_spans
 from fsdp_planner.fsdp2.claim import hooked_in
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.expert_groups import param_group_hosts
 from fsdp_planner.fsdp2.plan import Group, Mesh, Plan, ReshardAfterForward
-from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.chunked_loss import output_layer
+from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
 
@@ -79,6 +81,18 @@ class Residency:
     divisor: int = 1
 
 
+class ChunkedGrads(NamedTuple):
+    """A chunked loss's output layer (``Replay._chunked_loop``): the chunks' first event, the layer's backward's
+    first and last, its params, whose unsharded grads are kept through the chunks (``sim/memory.py``), and whether
+    a group hooks the layer (its FSDP2 state syncs them at the last chunk only) or not (autograd accumulates)."""
+
+    start: int
+    backward: int
+    end: int
+    params: tuple[int, ...]
+    own: bool
+
+
 @dataclass
 class Schedule:
     collectives: list[Collective] = field(default_factory=list)
@@ -91,6 +105,7 @@ class Schedule:
     # the groups in the order the root's final callback visits them (FSDP2's all_states: named_modules order of
     # each call's first module, the root first; a call's param groups the last first)
     final_order: tuple[int, ...] = ()
+    chunked: ChunkedGrads | None = None  # a chunked loss's output layer
 
 
 @dataclass
@@ -166,6 +181,8 @@ class GroupReplay:
         self.post_forward_indices: list[int] = []
         self._members: list[GroupReplay] | None = None  # a state's param groups where it has several
         self._state: GroupReplay | None = None  # the group whose hooks drive this one, where another's
+        self.kept_after_backward = False  # its own set_reshard_after_backward(False): a chunked loss's output layer
+        self.chunked: frozenset[int] = frozenset()  # the output layer's params while a chunked loss's chunks run
 
     @property
     def members(self) -> Sequence[GroupReplay]:
@@ -357,14 +374,17 @@ class GroupReplay:
         if not self.has_params:
             return
         self._host_work(at)
-        if self.shared.reshard_after_backward:  # set_reshard_after_backward(False): kept for the next micro-batch
+        if self.shared.reshard_after_backward and not self.kept_after_backward:  # set_reshard_after_backward(False):
+            # kept for the next micro-batch, or the next chunk of a chunked loss
             self.reshard(at)
         if not self.gathered:
             return
-        reduced = self.shared.reduced
-        ready = tuple(p for p in self.grad_params if p not in reduced and self.grad_ready_at[p] <= at)
+        reduced, ready_at = self.shared.reduced, self.grad_ready_at
+        # the output layer's params after a chunked loss's last chunk: their grads whole so far, reduced then and
+        # again where the model's backward reads one again (a tied embedding's weight)
+        ready = tuple(p for p in self.grad_params if p not in reduced and (ready_at[p] <= at or p in self.chunked))
         if ready:
-            reduced.update(ready)
+            reduced.update(p for p in ready if ready_at[p] <= at)
             self.shared.schedule.collectives.append(
                 Collective(CollectiveKind.REDUCE_SCATTER, self.index, at, True, params=ready))
             if self.replicated:
@@ -386,6 +406,20 @@ class GroupReplay:
             self._hold_until(end if self.shared.reshard_after_backward else end + 1)
         elif self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             self._hold_until(end, divisor=int(self.reshard_after_forward))
+
+
+class ChunkedLoop(NamedTuple):
+    """Where a chunked loss runs (``trace/chunked_loss.py``): the group hooking the output layer, the positions of
+    its first forward event and last backward event (the chunks' start and end), the root's post-forward (run at
+    the start: the model's forward skips the output layer) and the root's pre-backward inside the output layer's
+    backward (run at the end: the model's backward starts from the hidden states' gradient), or None."""
+
+    group: GroupReplay
+    start: int
+    end: int
+    root_post: int
+    root_pre: int | None
+    params: frozenset[int]  # the params the output layer reads
 
 
 def _resolve_reshard(value: ReshardAfterForward, shard_size: int | None) -> ReshardAfterForward:
@@ -461,33 +495,125 @@ class Replay:
     def run(self) -> Schedule:
         events, shared = self.trace.events, self.shared
         self.hooked = self.hooked_events()
+        loop = self._chunked_loop()
+        moved = {loop.root_post, loop.root_pre} if loop is not None else set()
         for at in sorted({*self.hooked, *self.recomputed}):  # a checkpointed module need not be a group's
-            e = events[at]
-            call = (e.module, e.call)
-            if e.kind is EventKind.FWD_PRE:
-                self.group_of[e.module].pre_forward(at, call, e.grad_inputs, gated=call not in self.method_calls)
-            elif e.kind is EventKind.FWD_POST:
-                if call in self.method_calls:
-                    self.group_of[e.module].complete_forward(at, call)
-                else:
-                    self.group_of[e.module].post_forward(at, call)
-                if e.module == ROOT:
-                    self._force_complete_forward(at, call)
-                    shared.free_all_gather_state(at)
-            elif e.kind is EventKind.BWD_PRE:
-                for group in shared.pre_backward_at.get(call, ()):
-                    group.pre_backward(at)
-                if at in self.recomputed:
-                    self._recompute(at, *self.recomputed[at])
-            elif call in shared.post_backward_at:  # BWD_POST: the inputs' grads are ready
-                for group in reversed(shared.post_backward_at.pop(call)):
-                    group.post_backward(at)
+            if at in moved:
+                continue
+            if loop is not None and at == loop.start:
+                self._chunks_begin(at, loop)
+            self._event(at, events[at])
+            if loop is not None and at == loop.end:
+                self._chunk_callbacks(at, loop)
+                self._chunks_end(at + 1, loop)  # (after the last chunk's post-backward, before the model's backward)
         end = len(events)
         shared.free_all_gather_state(end)  # a root that is not a group: nothing freed it at post-forward
         for k in shared.schedule.final_order:  # the root's final callback: FSDP2's all_states, the last first
             self.groups[k].finalize_backward(end)
         self._unlink()
         return shared.schedule
+
+    def _event(self, at: int, e: Event) -> None:
+        """The hooks event ``e`` runs, at position ``at`` (its own, or where a chunked loss moves it)."""
+        shared = self.shared
+        call = (e.module, e.call)
+        if e.kind is EventKind.FWD_PRE:
+            self.group_of[e.module].pre_forward(at, call, e.grad_inputs, gated=call not in self.method_calls)
+        elif e.kind is EventKind.FWD_POST:
+            if call in self.method_calls:
+                self.group_of[e.module].complete_forward(at, call)
+            else:
+                self.group_of[e.module].post_forward(at, call)
+            if e.module == ROOT:
+                self._force_complete_forward(at, call)
+                shared.free_all_gather_state(at)
+        elif e.kind is EventKind.BWD_PRE:
+            for group in shared.pre_backward_at.get(call, ()):
+                group.pre_backward(at)
+            if at in self.recomputed:
+                self._recompute(at, *self.recomputed[at])
+        elif call in shared.post_backward_at:  # BWD_POST: the inputs' grads are ready
+            for group in reversed(shared.post_backward_at.pop(call)):
+                group.post_backward(at)
+
+    def _chunked_loop(self) -> ChunkedLoop | None:
+        """Where the output layer's chunks run, for a trace whose loss runs in chunks (``Trace.loss_chunks``) and
+        whose output layer a group hooks; None otherwise (the hooks in trace order)."""
+        if not self.trace.loss_chunks:
+            return None
+        head = output_layer(self.trace)
+        if head is None:
+            return None
+        own = head.module in self.group_of
+        self.shared.schedule.chunked = ChunkedGrads(head.forward.start, head.backward.start, head.backward.stop - 1,
+                                                    head.params, own)
+        if not own:
+            return None
+        events, hooked = self.trace.events, set(self.hooked)
+        root_post = next((i for i in range(head.forward.stop, len(events)) if i in hooked
+                          and events[i].kind is EventKind.FWD_POST and events[i].module == ROOT), None)
+        root_pre = next((i for i in head.backward if i in hooked and events[i].kind is EventKind.BWD_PRE
+                         and events[i].module == ROOT), None)
+        if root_post is None:
+            return None
+        for member in self.group_of[head.module].members:  # as the wrapper left it after the step before
+            member.reshard_after_forward = True
+        return ChunkedLoop(self.group_of[head.module], head.forward.start, head.backward.stop - 1, root_post,
+                           root_pre, frozenset(head.params))
+
+    def _chunks_begin(self, at: int, loop: ChunkedLoop) -> None:
+        """The model's forward ends without the output layer (the root's post-forward runs here); then
+        ``ChunkedLossWrapper``'s calls on it: kept unsharded through the chunks (gathered now if it was
+        resharded), its grads synced at the last chunk only."""
+        self._event(at, self.trace.events[loop.root_post])
+        group = loop.group
+        for member in group.members:
+            member.unshard(at, backward=False)
+            member.wait_for_unshard(at)
+            member.reshard_after_forward, member.kept_after_backward = False, True
+            member.chunked = loop.params
+
+    def _chunk_callbacks(self, at: int, loop: ChunkedLoop) -> None:
+        """Where the output layer's state ran its pre-backward in the chunks (its group completes its forward in
+        the output layer's call: it lists that alone), that hook queued FSDP2's root final callback, which runs
+        after each chunk's backward: the explicit backward prefetches again each chunk and discarded each time, and
+        every group the model's forward left unsharded resharded, its post-forward order forgotten (so the model's
+        backward prefetches none by default) (``FSDPState._root_post_backward_final_callback``, torch 2.13)."""
+        state = loop.group.state
+        if not state.state_in_backward:
+            return
+        self._final_callback(at)
+        for _ in range(self.trace.loss_chunks - 1):
+            for target in state.backward_prefetch:
+                target.unshard(at, backward=True, prefetch=True)
+            self._final_callback(at)
+
+    def _final_callback(self, at: int) -> None:
+        """The root's final callback of one backward pass that is not the step's last one (a chunk's): the
+        post-backward of each param group that has not run one, then every group idle, its all-gathers issued and
+        not waited for dropped, and the post-forward order cleared."""
+        shared = self.shared
+        for state in self.states:
+            for member in reversed(state.members):
+                if member.training_state is not TrainingState.POST_BACKWARD:
+                    member.post_backward(at)
+                member.training_state, member.state_in_backward = TrainingState.IDLE, False
+                member.modules_to_run.clear()
+                member.post_forward_indices.clear()
+                if member.pending is not None:
+                    shared.free_output(member.pending, at + 1)
+                    member.pending = None
+        shared.post_forward_order.clear()
+
+    def _chunks_end(self, at: int, loop: ChunkedLoop) -> None:
+        """After the last chunk: the wrapper resets the output layer's state to reshard after forward and after
+        backward (its every later step reshards the group after forward, whatever the plan set) and reshards it;
+        then the model's backward starts from the hidden states' gradient (the root's pre-backward, moved here)."""
+        for member in loop.group.members:
+            member.reshard_after_forward, member.kept_after_backward, member.chunked = True, False, frozenset()
+            member.reshard(at)
+        if loop.root_pre is not None:
+            self._event(at, self.trace.events[loop.root_pre])
 
     def _unlink(self) -> None:
         """Break the references between the groups and their shared state (and between groups that prefetch each

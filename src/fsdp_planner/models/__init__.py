@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from fsdp_planner.choices import ATTENTION_NAMES
 from fsdp_planner.errors import PlannerError, raised_at
+from fsdp_planner.limits import MAX_LOSS_CHUNKS
 from fsdp_planner.models import encdec, gpt2, hf, llama, lora, moe, seed, vit
 from fsdp_planner.models.on_meta import meta_init
 from fsdp_planner.patching import patched
@@ -94,6 +95,8 @@ class ModelSpec:
     # router, as torchtitan keeps MoE routers; sim/tracing.py)
     compile_loss: bool = False  # --compile-loss: the loss runs torch.compile'd, apart from the model (what it holds:
     # trace/compiled_loss.py)
+    loss_chunks: int = 0  # --loss-chunks: the output layer and the loss run in chunks of the tokens, each with its
+    # backward (torchtitan's ChunkedLossWrapper: trace/chunked_loss.py); 0: the whole sequence at once
 
     def __post_init__(self) -> None:
         if self.attention is not None and self.attention not in ATTENTION_NAMES:
@@ -106,6 +109,10 @@ class ModelSpec:
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise PlannerError(f"{option} must be a positive whole number, got {value!r}")
+        if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int) or not (
+                self.loss_chunks == 0 or 2 <= self.loss_chunks <= MAX_LOSS_CHUNKS):
+            raise PlannerError(f"--loss-chunks must be a whole number from 2 to {MAX_LOSS_CHUNKS:,} (0: the whole "
+                               f"sequence at once), got {self.loss_chunks!r}")
         if self.hf_config and not hf.is_hf(self.name):
             raise PlannerError(f"--hf-config sets fields of a Hugging Face config: it applies to hf: models, not "
                                f"'{self.name}'")
@@ -152,7 +159,8 @@ class ModelSpec:
         extra = {k: getattr(self, k) for k in ("attention", "routing") if getattr(self, k) is not None}
         config = {"hf_config": dict(self.hf_config)} if self.hf_config else {}
         compiled = {**({"compile": True} if self.compile else {}),
-                    **({"compile_loss": True} if self.compile_loss else {})}
+                    **({"compile_loss": True} if self.compile_loss else {}),
+                    **({"loss_chunks": self.loss_chunks} if self.loss_chunks else {})}
         fp32 = {"fp32_modules": list(self.fp32_modules)} if self.fp32_modules else {}
         return {"name": self.name, **self.kwargs(), **extra, **config, **compiled, **fp32}
 

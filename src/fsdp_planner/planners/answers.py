@@ -353,3 +353,35 @@ def compile_loss_answer(other: Trace, plan: Plan, cluster: Cluster, options: Sim
         fix = ("keep the loss compiled: eager, the plan is over the budget" if not budget.fits(alt.reserved_memory)
                else _without_fix(base, alt, budget, "the compiled loss", "eager"))
     return Finding(Severity.INFO, Code.COMPILE_LOSS_PAYS, what, fix)
+
+
+ANSWER_LOSS_CHUNKS = 8  # the chunks ``loss_chunks_answer`` tries: torchtitan's ChunkedLossWrapper's default
+
+
+def loss_chunks_answer(other: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
+                       budget: MemoryBudget) -> Finding | None:
+    """The plan's step on ``other``, the same model traced with its output layer and loss in chunks (or whole,
+    for a trace that chunks them), against ``base``. Chunks buy memory (one chunk's logits alive, not the
+    sequence's) for a few more launches and, in torchtitan's grouping, two more gathers of the output layer's
+    group; None where they free under ``LOSS_MEMORY_PAYS`` of the peak and are not faster."""
+    alt = _step(other, plan, cluster, options)
+    if alt is None:
+        return None
+    if other.loss_chunks:
+        freed = 1 - alt.reserved_memory / base.reserved_memory if base.reserved_memory else 0.0
+        if freed < LOSS_MEMORY_PAYS and not _pays(base, alt, budget):
+            return None
+        n = other.loss_chunks
+        what = f"the loss in {n} chunks (--loss-chunks {n}): {_versus(base, alt, budget)}"
+        slower = alt.step_time > base.step_time * (1 + NEGLIGIBLE)
+        fix = (f"run the output layer and the loss in chunks (torchtitan's ChunkedLossWrapper) and plan with "
+               f"--loss-chunks {n}: {freed:.0%} of the peak freed for auto to spend"
+               + ("; on this plan's groups they cost time (a group of the output layer alone queues FSDP2's "
+                  "final callback after each chunk, which drops the model's backward prefetches; one shared "
+                  "with the norm is gathered twice more): auto, planning with them, groups around that"
+                  if slower else ""))
+    else:
+        what = f"the same plan with the loss whole (no chunks): {_versus(base, alt, budget)}"
+        fix = ("keep the loss in chunks: whole, the plan is over the budget" if not budget.fits(alt.reserved_memory)
+               else _without_fix(base, alt, budget, "the chunked loss", "whole"))
+    return Finding(Severity.INFO, Code.LOSS_CHUNKS_PAY, what, fix)

@@ -60,6 +60,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from fsdp_planner.apply.chunked_loss import chunked_step
 from fsdp_planner.apply.float8 import after_optimizer_step
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.apply.tensor_parallel import loss_context
@@ -496,6 +497,7 @@ class FakeSteps:
     reshard_after_backward: bool = True
     gradient_sync: GradientSync = GradientSync.LAST
     optimizer: Optimizer = OPTIMIZERS[DEFAULT_OPTIMIZER]
+    loss_head: str | None = None  # with the spec's loss_chunks: the output layer run in chunks (``chunked_step``)
 
 
 # torch's optimizer for each of fsdp-planner's, with its hyper-parameters where they change its bytes
@@ -590,7 +592,10 @@ class FakeTraining:
         try:
             with module_calls(self.model, self.tracker.calls), loss_context(self.plan), \
                     counted_in_handlers(self.tracker):
-                self.loss_fn(self.model(*self.args, **self.kwargs)).backward()
+                if self.spec.loss_chunks and self.how.loss_head is not None:
+                    chunked_step(self.model, self.how.loss_head, self.spec.loss_chunks, self.args, self.kwargs)
+                else:
+                    self.loss_fn(self.model(*self.args, **self.kwargs)).backward()
         except (Exception, SystemExit) as e:  # what the user's model raises is one line naming the op and module
             failed = failed_at(e)
             where = f"{failed.describe()} raised " if failed is not None else ""
@@ -677,17 +682,19 @@ def forget_meshes() -> None:
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,
                    steps: int = 2, zero_grad: ZeroGrad = ZeroGrad.NONE, micro_batches: int = 1,
                    reshard_after_backward: bool = True, gradient_sync: GradientSync = GradientSync.LAST,
-                   optimizer: Optimizer = OPTIMIZERS[DEFAULT_OPTIMIZER]) -> FakeWorldResult:
+                   optimizer: Optimizer = OPTIMIZERS[DEFAULT_OPTIMIZER], loss_head: str | None = None
+                   ) -> FakeWorldResult:
     """Apply ``plan`` to the model ``spec`` names with real FSDP2 on ``world_size`` fake ranks and train
     ``steps`` steps (at least 2) of ``micro_batches`` forward + backward passes each (of the batch ``spec`` names;
     gradient sync off on all but the last, ``set_requires_gradient_sync``, unless ``gradient_sync`` is EVERY;
     with ``reshard_after_backward`` False
     also ``set_reshard_after_backward(False)`` on all but the last), each ending with ``optimizer``'s step;
-    counts, bytes and memory are the last step's."""
+    counts, bytes and memory are the last step's. ``loss_head``: with the spec's ``loss_chunks``, the output layer
+    the loss runs in chunks (``apply/chunked_loss.py``)."""
     check_fake_world(world_size, steps)
     spec = as_spec(model_spec)
     factory = factory_call(spec)
-    how = FakeSteps(steps, zero_grad, micro_batches, reshard_after_backward, gradient_sync, optimizer)
+    how = FakeSteps(steps, zero_grad, micro_batches, reshard_after_backward, gradient_sync, optimizer, loss_head)
     started = time.perf_counter()
     with fake_process_group(world_size), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
             _held_view_warnings() as views:

@@ -446,6 +446,8 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
     elif cfg.ac is ACMode.NONE:
         m.agrees("ac", ACMode.NONE.value, cfg.key("ac"))
     _compiled(m)
+    if cfg.loss_chunks:  # (0: not a literal, simulated whole with a note saying so)
+        m.given("loss_chunks", cfg.loss_chunks, "loss = ChunkedLossWrapper.Config(num_chunks=...)")
     if cfg.float8:
         m.given("float8", cfg.float8, "the float8 converter's recipe_name")
         if cfg.float8 == "tensorwise":  # (rowwise gathers bf16 whatever the key says: nothing to give)

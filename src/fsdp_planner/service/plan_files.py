@@ -57,6 +57,11 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
         note("the plan compiles the loss and this command traced it eager: add --compile-loss for the figures it was "
              "planned with" if plan.compiled_loss else "--compile-loss traced the loss compiled and the plan runs it "
              "eager: these figures are of the compiled loss, not of the plan's job")
+    if plan.loss_chunks != tr.loss_chunks:
+        note(f"the plan runs the loss in {plan.loss_chunks} chunks and this command traced "
+             f"{f'{tr.loss_chunks}' if tr.loss_chunks else 'it whole'}: add --loss-chunks {plan.loss_chunks} for the "
+             "figures it was planned with" if plan.loss_chunks else f"--loss-chunks traced the loss in "
+             f"{tr.loss_chunks} chunks and the plan runs it whole: these figures are of the chunked loss")
     return plan
 
 

@@ -139,7 +139,8 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     """``plan`` as it leaves the program (``--out``, the API's return): with the precision and the optimizer (export
     sets them, so the code runs as the numbers assumed), the attention kernel it was planned for (absent: the
     default), the hf_config fields (verify rebuilds that model), the modules it compiles (the trace's,
-    ``--compile``), its float8 training (``--float8``) and checkpointing without early stop (``--no-early-stop``)."""
+    ``--compile``), its loss in chunks (``--loss-chunks``), its float8 training (``--float8``) and checkpointing
+    without early stop (``--no-early-stop``)."""
     check_compiled_groups(plan, tr.compiled)
     float8 = job.options.float8 or plan.float8
     if float8 is not None and float8.tp_float8_all_gather and plan.tp_degree == 1:  # auto chose no TP: nothing
@@ -148,7 +149,7 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     return dataclasses.replace(plan, precision=job.options.precision.name, optimizer=job.options.optimizer.name,
                                attention=job.model.attention or "", kernels=assumed_kernels(tr),
                                hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled),
-                               compiled_loss=tr.compiled_loss is not None, float8=float8,
+                               compiled_loss=tr.compiled_loss is not None, loss_chunks=tr.loss_chunks, float8=float8,
                                workload=_workload(plan, job),
                                checkpoint_early_stop=_early_stop(plan, job.options))
 
@@ -218,7 +219,12 @@ def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, t
         quiet = dataclasses.replace(reporter, note=heard.setdefault(n, []).append)
         return search(tracer(one.model, one.options), policy, cluster, one.options, one.model, quiet, tracer)
 
-    best, tried = choose_split(batch, searched, DEFAULT_SPLITS if job.split_by_default else MAX_SPLITS)
+    seq, chunks = job.model.workload().get("seq_len"), job.model.loss_chunks
+
+    def runs(n: int) -> bool:  # a chunked loss splits each micro-batch's tokens into equal chunks
+        return not chunks or not isinstance(seq, int) or (batch // n * seq) % chunks == 0
+
+    best, tried = choose_split(batch, searched, DEFAULT_SPLITS if job.split_by_default else MAX_SPLITS, runs)
     for line in dict.fromkeys(heard.get(best.micro_batches, ())):
         reporter.note(line)
     return at(best.micro_batches), tuple(Split(s.micro_batches, s.result.report.step_time, s.result.fits)

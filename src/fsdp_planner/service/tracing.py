@@ -24,8 +24,10 @@ from fsdp_planner.models import BUILTINS, LoadedModel, ModelSpec, as_spec, exit_
 from fsdp_planner.patching import quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_dependent
 from fsdp_planner.service import tp_numerics
+from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
+from fsdp_planner.trace.chunked_loss import output_layer, output_tokens, unchunkable, with_chunked_loss
 from fsdp_planner.trace.compiled import alike_blocks
 from fsdp_planner.trace.compiled_loss import LossInputs, capturing, with_compiled_loss
 from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN, KERNEL_SELECTIVE_SCAN
@@ -70,9 +72,16 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
                  hf.version_note() if hf.is_hf(spec.name) else None):
         if line:
             note(line)
-    if spec.compile_loss:
-        tr = _with_compiled_loss(tr, lm, spec, loss_inputs, precision or SimOptions().precision, note)
+    tr = _with_its_loss(tr, lm, spec, loss_inputs, precision or SimOptions().precision, note)
     return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
+
+
+def _with_its_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[LossInputs], precision: Precision,
+                   note: Callable[[str], None]) -> Trace:
+    """The step with its loss as the job runs it: compiled (``--compile-loss``), in chunks (``--loss-chunks``)."""
+    if spec.compile_loss:
+        tr = _with_compiled_loss(tr, lm, spec, given, precision, note)
+    return _with_chunked_loss(tr, spec, precision, note) if spec.loss_chunks else tr
 
 
 def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[LossInputs], precision: Precision,
@@ -101,6 +110,31 @@ def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list
         raise PlannerError(f"--compile-loss: AOTAutograd could not trace the loss of '{spec}' "
                            f"({compile_error(e)}); plan it without --compile-loss") from e
     return with_compiled_loss(tr, loss)
+
+
+def _with_chunked_loss(tr: Trace, spec: ModelSpec, precision: Precision, note: Callable[[str], None]) -> Trace:
+    """The step with its output layer and loss run in chunks (``--loss-chunks``, ``trace/chunked_loss.py``); a
+    model whose loss runs in its forward, or whose output no param-reading layer makes, as it was."""
+    head = output_layer(tr)
+    if head is None:
+        note(f"--loss-chunks: '{spec}' has no output layer between its last block and a loss outside its forward "
+             "(it computes its loss in its forward, or no layer with params makes its output): its loss is traced "
+             "whole")
+        return tr
+    refusal = unchunkable(tr, head)
+    if refusal is not None:
+        raise PlannerError(f"--loss-chunks: {refusal}; torchtitan's ChunkedLossWrapper runs the output layer alone "
+                           "on the hidden states: plan this model's loss whole")
+    tokens = output_tokens(tr, head)
+    if tokens and tokens % spec.loss_chunks:
+        raise PlannerError(f"--loss-chunks {spec.loss_chunks}: the output layer '{head.module}' runs on {tokens:,} "
+                           "tokens, which do not split into that many equal chunks (torchtitan's ChunkedLossWrapper "
+                           "requires it)")
+    note(f"loss in {spec.loss_chunks} chunks (torchtitan's ChunkedLossWrapper): '{head.module}' and the loss run on "
+         f"1/{spec.loss_chunks} of the tokens at a time, each with its backward, beside an fp32 buffer of the hidden "
+         "states' gradient; FSDP2 keeps the layer gathered through the chunks and reduce-scatters its gradient at the "
+         "last (accumulated in the reduce dtype where the layer has a group of its own call)")
+    return with_chunked_loss(tr, spec.loss_chunks, precision.compute_bytes / traced_itemsize(tr))
 
 
 LOCAL_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE)  # the styles whose one rank's step ``check_local_shapes`` runs

@@ -32,6 +32,7 @@ from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optim
 from fsdp_planner.limits import (
     MAX_BATCH,
     MAX_EP_DEGREE,
+    MAX_LOSS_CHUNKS,
     MAX_NUMEL,
     MAX_SEARCH_EFFORT,
     MAX_SEQ,
@@ -106,6 +107,7 @@ class Keywords:
     hf_config: object = None
     compile: object = False  # the repeated blocks torch.compile'd (command line: --compile)
     compile_loss: object = False  # the loss torch.compile'd (command line: --compile-loss)
+    loss_chunks: object = None  # the output layer and the loss in chunks (command line: --loss-chunks N); None: whole
     float8: object = None  # float8 training's recipe (command line: --float8); None: none
     float8_all_gather: object = None  # with float8: FSDP2's float8 all-gather (None: the recipe's default)
     float8_skip: object = None  # with float8: Linears left in bf16 besides the output head (--float8-skip A,B)
@@ -352,7 +354,9 @@ def model_spec(kw: Keywords, spell: Spelling, name: str | None = None) -> ModelS
         if kw.routing is not None else None
     return ModelSpec(name or text(kw.model, "model", spell), batch // n if batch is not None else None, seq,
                      attention, routing, hf_config(kw.hf_config, spell), flag(kw.compile, "compile", spell),
-                     fp32_modules(kw.fp32_modules, spell), flag(kw.compile_loss, "compile_loss", spell))
+                     fp32_modules(kw.fp32_modules, spell), flag(kw.compile_loss, "compile_loss", spell),
+                     whole(kw.loss_chunks, "loss_chunks", spell, 2, MAX_LOSS_CHUNKS) if kw.loss_chunks is not None
+                     else 0)
 
 
 def _needs_micro_batches(kw: Keywords, spell: Spelling) -> None:
@@ -367,11 +371,20 @@ def _needs_micro_batches(kw: Keywords, spell: Spelling) -> None:
 
 
 def gradient_sync(kw: Keywords, spell: Spelling) -> GradientSync:
-    """How micro-batches sync (default: the last one reduce-scatters), and that the job has micro-batches when a
-    setting of how they run is given."""
+    """How micro-batches sync (default: the last one reduce-scatters; with a chunked loss each one, as torchtitan
+    runs them: its ``ChunkedLossWrapper`` turns the output layer's sync back on at its last chunk, so the layer's
+    group reduce-scatters in every micro-batch whatever the model was set to), and that the job has micro-batches
+    when a setting of how they run is given."""
     _needs_micro_batches(kw, spell)
-    return choice(GradientSync, kw.gradient_sync, "gradient_sync", spell) if kw.gradient_sync is not None \
-        else GradientSync.LAST
+    if kw.gradient_sync is None:
+        return GradientSync.EVERY if kw.loss_chunks is not None else GradientSync.LAST
+    sync = choice(GradientSync, kw.gradient_sync, "gradient_sync", spell)
+    if sync is GradientSync.LAST and kw.loss_chunks is not None:
+        raise PlannerError(f"{spell.given('gradient_sync', str(kw.gradient_sync))} with "
+                           f"{spell.name_of('loss_chunks')}: torchtitan's ChunkedLossWrapper turns the output "
+                           "layer's gradient sync back on at its last chunk, so its group reduce-scatters in every "
+                           "micro-batch: give every (the default with a chunked loss)")
+    return sync
 
 
 def float8(kw: Keywords, spell: Spelling) -> Float8 | None:

@@ -58,7 +58,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
 
 import numpy as np
@@ -69,7 +69,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
+from fsdp_planner.fsdp2.replay import ChunkedGrads, Collective, Schedule, build_schedule
 from fsdp_planner.sim.allocator import loss_region_slack
 from fsdp_planner.sim.changes import ONE_BY_ONE, Changes
 from fsdp_planner.sim.compute import traced_itemsize
@@ -322,7 +322,15 @@ class MemoryModel:
             freed_at[k] = freed if reduces[k].event < n - 1 else reduces[k + 1].event if k + 1 < len(reduces) else n
             if reduces[k].group not in schedule.keeps_reduce_inputs:
                 freed = reduces[k].event
+        if schedule.chunked is not None and phase is not GradSync.FIRST:
+            self._chunk_accumulated(changes, schedule.chunked)
+        reduced_at: dict[int, int] = {}  # param -> the event of its last reduce-scatter so far (a chunked loss's)
         for c, end in zip(reduces, freed_at, strict=True):
+            if schedule.chunked is not None:  # its tied output layer: reduced after the chunks, then after the
+                # embedding's backward (no step without chunks reduces a param twice)
+                again = {p: reduced_at[p] for p in c.params if p in reduced_at}
+                reduced_at.update(dict.fromkeys(c.params, c.event))
+                c = self._reduced_again(changes, c, again, end) if again else c
             self._reduced(changes, c, end, groups, phase, n, sharded_held, per_hook[c.event] > 1 and c.event < n - 1,
                           (c.group, c.event) in all_reduced)
             # (the final callback's param groups reduce one at a time: ``_final_callback``)
@@ -354,6 +362,36 @@ class MemoryModel:
         at the wait, so there is no all-gather buffer; not even kept for the next copy-out (a per-param mesh's
         experts, gathered at their block's hooks and prefetched with it, held one 3.5% above the fake world)."""
         return bool(params) and params[0] in self._divided_alone
+
+    def _chunk_accumulated(self, changes: Changes, chunked: ChunkedGrads) -> None:
+        """A chunked loss's output layer (``Schedule.chunked``): its unsharded grads are alive from the first
+        chunk's backward to the last's, in every chunk's forward and loss too, where the step counts them from the
+        layer's backward on. A group of the layer's own call with gradient sync off but at the last chunk upcasts
+        them after the first chunk into an accumulator of the reduce dtype (``FSDPParam.
+        to_accumulated_grad_if_needed``), beside each chunk's own grads, which are added in and freed at its
+        post-backward (at the last, before the reduce-scatter copies the accumulator in); elsewhere autograd adds
+        each chunk's grads into the ones before (both alive only while it does: not counted)."""
+        own = self.sizing.tp_local_grads(chunked.params)
+        if chunked.own and self._separate_accumulation:
+            changes.add(2, chunked.start, chunked.end + 1, self._accumulated(own))
+            changes.add(2, chunked.end, chunked.end + 1, -self.sizing.grad_bytes(own))
+        else:
+            changes.add(2, chunked.start, chunked.backward, self.sizing.grad_bytes(own))
+
+    def _reduced_again(self, changes: Changes, c: Collective, again: dict[int, int], freed: int) -> Collective:
+        """Of a reduce-scatter, the params an earlier one of the step reduced (``again``: param -> its event): each
+        unsharded grad from the first backward op reading the param after that (autograd makes it anew) to this
+        one, and the output added into the sharded grad the earlier one made (alive only in the hook); returns the
+        collective with the rest of its params, which ``_reduced`` counts as ever (its reduce input excepted, the
+        whole collective's, counted here for these params until ``freed``)."""
+        uses, events = self.trace.index.param_uses, self.trace.events
+        for p, earlier in again.items():
+            start = next((i for i in uses[p] if i > earlier and events[i].backward), c.event)
+            own = self.sizing.tp_local_grads((p,))
+            changes.add(2, start, c.event + 1, self.sizing.grad_bytes(own))
+            changes.add(4, c.event, c.event + 1, self.sizing.shard_numel((p,)) * self.precision.reduce_bytes)
+            changes.add(3, c.event, freed, self.sizing.reduce_bytes((p,)))
+        return replace(c, params=tuple(p for p in c.params if p not in again))
 
     def _reduced(self, changes: Changes, c: Collective, freed: int,
                  groups: list[GroupFacts], phase: GradSync, n: int, sharded_held: bool,

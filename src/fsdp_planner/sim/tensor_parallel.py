@@ -85,6 +85,7 @@ from fsdp_planner.hardware.cost import collective_cost
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.float8 import TP_AMAX_BYTES, converted_linears
 from fsdp_planner.sim.recompute import CheckpointedCall, made_in_view, view_position
+from fsdp_planner.trace.chunked_loss import output_layer
 from fsdp_planner.trace.events import (
     ATTENTION_KERNELS,
     KERNEL_OTHER,
@@ -894,12 +895,17 @@ def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: 
     nbytes = dict.fromkeys(KIND_OF.values(), 0)
     positions = tp_positions(trace) if positions is None else positions
     runs = collective_runs(positions, recomputed)
+    head = output_layer(trace) if trace.loss_chunks else None
+    if head is not None:  # a chunked loss: the output layer's and the loss's run once a chunk, each on its share
+        lo, hi = np.searchsorted(positions, (head.forward.start, head.backward.stop))
+        runs[lo:hi] *= trace.loss_chunks
     for p, n in zip(positions.tolist(), runs.tolist(), strict=True):
         e = trace.events[p]
         kind = KIND_OF[e.kernel]
         counts[kind] += n
         at = grad_scale if grad_scale is not None and e.kernel == KERNEL_TP_GRAD_ALL_REDUCE else scale
-        nbytes[kind] += n * int(e.nbytes * at)
+        nbytes[kind] += n * int(e.nbytes * at) // (trace.loss_chunks if head is not None and
+                                                   head.forward.start <= p < head.backward.stop else 1)
     return TPCollectives(counts, nbytes)
 
 

@@ -62,6 +62,8 @@ class Trace:
     # when torch.compile'd (``compiled.py``): the modules the step runs compiled; empty: an eager step
     compiled_loss: CompiledLoss | None = None  # the loss torch.compile'd (``compiled_loss.py``), which the loss
     # region's live bytes and memory-bound bytes already are; None: the loss runs eager
+    loss_chunks: int = 0  # the output layer and the loss run in this many chunks of the tokens, each with its
+    # backward (``chunked_loss.py``: torchtitan's ChunkedLossWrapper), which the events' bytes already are; 0: whole
     tensor_parallel: tuple = ()  # a per-TP-rank view (``sim/tensor_parallel.py``): the TP layout's signature
     # (degree, layout, loss parallel, async TP); empty: the whole model on one rank
     float8_tp: frozenset[str] = frozenset()  # in a TP view: the modules in torchao's float8 TP styles

@@ -766,7 +766,7 @@ _CATEGORIES = {PeakTerm.SHARDED: ("params", "grads", "optimizer_state", "buffers
                PeakTerm.OPTIMIZER_STEP: ("optimizer_temporaries",)}
 _WAY_OUT = {
     PeakTerm.LOSS: "they grow with batch x seq x vocab and no sharding shrinks them: use a smaller --batch or --seq "
-                   "(or a loss computed in chunks)",
+                   "(or --loss-chunks 8: the output layer and the loss in chunks, as torchtitan's ChunkedLossWrapper)",
     PeakTerm.ACTIVATIONS: "they grow with batch x seq and FSDP does not shard them: use a smaller --batch or --seq",
     PeakTerm.SHARDED: "it shrinks with the number of ranks sharding it: use more GPUs",
 }
@@ -817,7 +817,15 @@ def infeasible_message(result: AutoResult) -> str:
                  f"{ev.ctx.options.optimizer.name}-fused)")
     return (f"no plan fits the memory budget of {fmt_bytes(result.budget)} per rank on {ev.cluster.name}: the "
             f"smallest peak any plan reaches is {fmt_bytes(floor)} ({shown}{checkpointed}); the largest part is the "
-            f"{largest.value}: {_WAY_OUT.get(largest, 'use more GPUs or a smaller --batch or --seq')}{hint}")
+            f"{largest.value}: {_way_out(largest, ev.trace.loss_chunks)}{hint}")
+
+
+def _way_out(term: PeakTerm, chunks: int) -> str:
+    """What shrinks the largest term of the smallest peak: for the loss's, more chunks where it runs in some."""
+    if term is PeakTerm.LOSS and chunks:
+        return (f"they grow with batch x seq x vocab / the loss's {chunks} chunks and no sharding shrinks them: use "
+                f"more --loss-chunks, or a smaller --batch or --seq")
+    return _WAY_OUT.get(term, "use more GPUs or a smaller --batch or --seq")
 
 
 def _budget_hint(result: AutoResult, floor: int) -> str:

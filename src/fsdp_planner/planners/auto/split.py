@@ -43,10 +43,12 @@ def candidate_splits(batch: int, limit: int = MAX_SPLITS) -> list[int]:
     return found
 
 
-def choose_split(batch: int, search: Callable[[int], AutoResult], limit: int = MAX_SPLITS) -> tuple[Split, list[Split]]:
+def choose_split(batch: int, search: Callable[[int], AutoResult], limit: int = MAX_SPLITS,
+                 allowed: Callable[[int], bool] = lambda n: True) -> tuple[Split, list[Split]]:
     """The fastest split whose plan fits (ties: the fewer micro-batches), else the one with the smallest peak; and
-    every split tried. ``search(n)``: auto's search with ``n`` micro-batches of ``batch / n``."""
-    tried = [Split(n, search(n)) for n in candidate_splits(batch, limit)]
+    every split tried. ``search(n)``: auto's search with ``n`` micro-batches of ``batch / n``; ``allowed(n)``:
+    whether the job can run that split (one micro-batch always can)."""
+    tried = [Split(n, search(n)) for n in candidate_splits(batch, limit) if n == 1 or allowed(n)]
     fitting = [s for s in tried if s.result.fits]
     if fitting:
         return min(fitting, key=lambda s: (s.result.report.step_time, s.micro_batches)), tried

@@ -1,0 +1,101 @@
+"""A step whose output layer and loss run in chunks of the tokens, as torchtitan's ``ChunkedLossWrapper`` runs
+them (``torchtitan/components/loss.py``), on an FSDP2-sharded model of any architecture: what the fake ranks run
+for a plan with ``--loss-chunks`` (``runtime/fake_world.py``), so its memory and collectives are FSDP2's own.
+
+The model's forward runs without its output layer (torchtitan's ``_skip_lm_head``: here the layer is taken out of
+its parent for the forward's duration, after FSDP2's root pre-forward has seen the whole model); the hidden
+states, flattened to tokens x width and detached, are split into equal chunks; each chunk runs the output layer,
+a cross-entropy summed over its tokens (torchtitan's ``CrossEntropyLoss``) and its backward, its gradient written
+into an fp32 buffer; the model's backward then runs once from that buffer, cast to the hidden states' dtype.
+FSDP2 keeps the output layer unsharded through the chunks and syncs its gradient at the last one only, as the
+wrapper asks it to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_planner.errors import PlannerError
+
+
+def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Forward, chunked loss and backward of one micro-batch (module docstring); returns the loss (detached)."""
+    layer = model.get_submodule(head)
+    with _without(model, head):
+        output = model(*args, **kwargs)
+    hidden = output.logits if isinstance(getattr(output, "logits", None), torch.Tensor) else output
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        raise PlannerError(f"--loss-chunks: without '{head}' the model returns no hidden states (a tensor of "
+                           "tokens x width) to run it on in chunks")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    tokens = flat.shape[0]
+    if tokens % chunks:
+        raise PlannerError(f"--loss-chunks {chunks}: {tokens:,} tokens do not split into that many equal chunks")
+    size = tokens // chunks
+    labels = torch.zeros(tokens, dtype=torch.long, device=flat.device)
+    buffer = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+    total = torch.zeros((), dtype=torch.float32, device=flat.device)
+    with _unsharded_through(layer):
+        for i, piece in enumerate(flat.detach().split(size)):
+            if i == chunks - 1 and isinstance(layer, FSDPModule):  # one reduce-scatter, at the last chunk
+                layer.set_requires_gradient_sync(True, recurse=False)
+            piece.requires_grad_(True)
+            loss = F.cross_entropy(layer(piece).float(), labels[i * size:(i + 1) * size], reduction="sum") / tokens
+            loss.backward()
+            buffer[i * size:(i + 1) * size] = piece.grad
+            total = total + loss.detach()
+            del piece, loss
+    grad = buffer.to(flat.dtype)
+    del buffer
+    flat.backward(grad)
+    return total
+
+
+@contextlib.contextmanager
+def _without(model: nn.Module, head: str) -> Iterator[None]:
+    """The model's forward with ``head`` replaced by an identity: swapped in by a forward pre-hook that runs after
+    FSDP2's (which initialises the root over the whole model on the first step) and back by a forward hook."""
+    parent_name, _, name = head.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    layer = getattr(parent, name)
+
+    def swap(*_: Any) -> None:
+        setattr(parent, name, nn.Identity())
+
+    def restore(*_: Any) -> None:
+        setattr(parent, name, layer)
+
+    handles = (model.register_forward_pre_hook(swap), model.register_forward_hook(restore))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        setattr(parent, name, layer)
+
+
+@contextlib.contextmanager
+def _unsharded_through(layer: nn.Module) -> Iterator[None]:
+    """The output layer gathered once for every chunk, its gradient synced at the last only (the caller turns it
+    on there), resharded after: ``ChunkedLossWrapper``'s calls on an FSDP2 module; nothing for another."""
+    if not isinstance(layer, FSDPModule):
+        yield
+        return
+    layer.set_reshard_after_forward(False)
+    layer.set_reshard_after_backward(False)
+    layer.set_requires_gradient_sync(False, recurse=False)
+    layer.unshard()
+    try:
+        yield
+    finally:
+        layer.set_reshard_after_forward(True)
+        layer.set_reshard_after_backward(True)
+        layer.set_requires_gradient_sync(True, recurse=False)
+        layer.reshard()

@@ -1,0 +1,175 @@
+"""The output layer and the loss run in chunks of the tokens, as torchtitan's ChunkedLossWrapper runs them
+(``--loss-chunks``): the trace's bytes (``trace/chunked_loss.py``), FSDP2's hooks around the chunks
+(``fsdp2/replay.py``) and the grads they keep (``sim/memory.py``), against real FSDP2 running the wrapper's loop on
+fake ranks (``apply/chunked_loss.py``); and how options, plans, configs and exports carry it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_main
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import ModelSpec
+from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+from fsdp_planner.service.planning import policy_plan
+from fsdp_planner.service.tracing import trace_spec
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.trace.chunked_loss import output_layer
+
+# a small Qwen3 whose 151,936-token vocabulary dwarfs its two layers: the loss is the step's peak
+SMALL_QWEN = ("hf:qwen3-0.6b", "--hf-config", "num_hidden_layers=2", "--hf-config", "hidden_size=256",
+              "--hf-config", "intermediate_size=512", "--hf-config", "num_attention_heads=4",
+              "--hf-config", "num_key_value_heads=2", "--batch", "2", "--seq", "512")
+UNTIED = ("--hf-config", "tie_word_embeddings=false")
+
+
+def _verified(*args: str) -> dict:
+    """``verify ARGS --json`` on 8 fake ranks: the prediction beside real FSDP2's run."""
+    r = run_main("verify", *args, "--cluster", "h100:8", "--fake-world-size", "8", "--json")
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("args", [
+    # [norm, lm_head] in one group (torchtitan's): the wrapper's reshard after the chunks gathers it again for the
+    # norm's backward, and its grads reduce in two reduce-scatters
+    ("--policy", "titan", "--loss-chunks", "4", *UNTIED),
+    # lm_head alone with explicit prefetch lists: its pre-backward runs in each chunk, whose root final callback
+    # drops the prefetches and the post-forward order (the model's backward prefetches nothing by default)
+    ("--policy", "auto", "--loss-chunks", "4", *UNTIED),
+    # lm_head in the root's group (not an FSDP module): autograd accumulates its grad through the chunks
+    ("--policy", "module", "--loss-chunks", "4", *UNTIED),
+    ("--policy", "titan", "--loss-chunks", "2", "--precision", "fp32", *UNTIED),
+    # tied: the embedding's weight reduce-scattered after the chunks and again after the embedding's backward
+    ("--policy", "titan", "--loss-chunks", "8"),
+    ("--policy", "titan", "--loss-chunks", "4", "--tp", "2", *UNTIED),
+    ("--policy", "titan", "--loss-chunks", "4", "--micro-batches", "2", "--batch", "4", *UNTIED),
+])
+def test_the_prediction_is_real_fsdp2_running_the_chunks(args):
+    """Every FSDP2 and TP collective count and byte exact, the peak within 2%, for each way a plan can hold the
+    output layer (measured here: -0.5% to +0.1% on these)."""
+    result = _verified(*SMALL_QWEN, *args)
+    assert result["counts_and_bytes_exact"], result
+    assert abs(result["peak_error"]) < 0.02, result
+
+
+@pytest.mark.integration
+def test_chunks_hold_less_than_the_whole_loss():
+    """The same job with its loss whole and in 4 and 8 chunks: real FSDP2's peak falls with the chunks, and the
+    prediction with it."""
+    peaks = [_verified(*SMALL_QWEN, "--policy", "titan", *UNTIED, *(["--loss-chunks", str(n)] if n else []))
+             for n in (0, 4, 8)]
+    measured = [p["measured"]["peak_memory"] for p in peaks]
+    assert measured[0] > 1.5 * measured[1] > 1.5 * measured[2] * 0.9
+    assert all(abs(p["peak_error"]) < 0.02 for p in peaks)
+
+
+def _traced(chunks: int, name: str = "toy-llama", **kw: object) -> object:
+    return trace_spec(ModelSpec(name, loss_chunks=chunks, **kw))
+
+
+def test_the_trace_keeps_its_ops_and_takes_a_chunk_s_bytes():
+    """The chunked step has the whole step's events, FLOPs and bytes moved; the loss region's live bytes are one
+    chunk's beside the fp32 buffer of the hidden states' gradient; the output layer's matmuls run on a chunk's
+    tokens."""
+    whole, chunked = _traced(0), _traced(4)
+    head = output_layer(chunked)
+    assert head is not None and head.module == "output" and chunked.loss_chunks == 4
+    assert len(whole.events) == len(chunked.events)
+    assert [e.flops for e in whole.events] == [e.flops for e in chunked.events]
+    assert [e.nbytes for e in whole.events] == [e.nbytes for e in chunked.events]
+    region = whole.index.loss_region
+    buffer = head.hidden_numel * 4
+    for w, c, inside in zip(whole.events, chunked.events, region, strict=True):
+        if inside:
+            assert c.live == -(-w.live // 4) + buffer  # (the compute dtype is the traced one: no scaling)
+    tokens = head.hidden_numel // 64  # toy-llama's width
+    kernels = [c.kernel for c in chunked.events[head.forward.start:head.forward.stop] if c.kernel > 0]
+    assert kernels and max(kernels) <= tokens // 4
+
+
+def test_torchtitan_s_grouping_gathers_the_head_again_and_reduces_it_twice():
+    """The replay of [norm, output] in one group (torchtitan's): the whole step gathers it once and reduces it
+    once; with the loss in chunks it is gathered after the norm's forward (the wrapper left it resharding after
+    forward), at the chunks' start and again for the norm's backward, and reduced at the last chunk and after the
+    norm's backward (as the fake ranks count: the integration test above)."""
+    def head_collectives(chunks: int) -> tuple[int, int]:
+        tr = _traced(chunks)
+        plan = policy_plan(tr, PolicyRequest(PolicyName.TITAN), "toy-llama", parse_cluster("h100:8"), SimOptions())
+        group = next(i for i, g in enumerate(plan.groups) if "output" in g.modules)
+        schedule = build_schedule(tr, plan, 8)
+        kinds = [c.kind.value for c in schedule.collectives if c.group == group]
+        return kinds.count("all_gather"), kinds.count("reduce_scatter")
+
+    assert head_collectives(0) == (1, 1)
+    assert head_collectives(4) == (3, 2)
+
+
+def test_a_chunked_loss_plans_within_less_memory():
+    """llama3-8b on 8 H100s at its default sequence: the whole loss's fp32 logits are gigabytes; in 8 chunks the
+    same plan's reserved memory is lower, its step within a few percent."""
+    cluster = parse_cluster("h100:8")
+    reports = []
+    for chunks in (0, 8):
+        tr = _traced(chunks, "llama3-8b")
+        plan = policy_plan(tr, PolicyRequest(PolicyName.TITAN), "llama3-8b", cluster, SimOptions())
+        reports.append(simulate(tr, plan, cluster, SimOptions(), timeline=False))
+    assert reports[1].reserved_memory < reports[0].reserved_memory - 4 * 2**30
+    assert reports[1].step_time == pytest.approx(reports[0].step_time, rel=0.05)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("--loss-chunks", "1"), "--loss-chunks must be from 2 to 1,024, got 1"),
+    (("--loss-chunks", "2000"), "--loss-chunks must be from 2 to 1,024, got 2000"),
+    (("--loss-chunks", "3"), "runs on 128 tokens, which do not split into that many equal chunks"),
+    (("--loss-chunks", "4", "--micro-batches", "2", "--batch", "8", "--gradient-sync", "last"),
+     "turns the output layer's gradient sync back on at its last chunk"),
+])
+def test_a_chunk_count_it_cannot_run_is_one_sentence(args, says):
+    r = run_main("plan", "toy-llama", "--cluster", "h100:8", "--policy", "titan", *args)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_model_that_transforms_its_logits_is_refused(tmp_path):
+    """The wrapper runs the output layer alone on the hidden states: a model that soft-caps or scales its logits
+    after it (Gemma 2's final soft-cap) would lose that, so its loss is planned whole."""
+    with pytest.raises(PlannerError, match=r"transforms the output of 'lm_head' before returning it \(3 ops"):
+        trace_spec(ModelSpec("hf:gemma2-9b", seq_len=64, hf_config=(("num_hidden_layers", 1),
+                                                                     ("hidden_size", 64), ("intermediate_size", 128),
+                                                                     ("num_attention_heads", 2),
+                                                                     ("num_key_value_heads", 1), ("head_dim", 32)),
+                             loss_chunks=4))
+
+
+def test_plans_and_exports_carry_the_chunks(tmp_path):
+    """The plan file records the chunks (and refuses a count it cannot run); simulate of it without them says
+    so; the torchtitan export sets ChunkedLossWrapper's num_chunks, the Python export its constant."""
+    out = tmp_path / "plan.json"
+    r = run_main("plan", "toy-llama", "--cluster", "h100:8", "--policy", "titan", "--loss-chunks", "4",
+                 "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["loss_chunks"] == 4
+    r = run_main("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8")
+    assert "the plan runs the loss in 4 chunks and this command traced it whole: add --loss-chunks 4" in r.stderr
+    data = json.loads(out.read_text())
+    data["loss_chunks"] = 1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(PlannerError, match="plan 'loss_chunks' must be a whole number from 2 to 1,024"):
+        Plan.load(str(bad))
+    python = tmp_path / "plan_fsdp.py"
+    assert run_main("export", str(out), "--format", "python", "--out", str(python)).returncode == 0
+    assert "LOSS_CHUNKS: int = 4" in python.read_text()
+    plan = tmp_path / "l8.json"
+    assert run_main("plan", "llama3-8b", "--cluster", "h100:8", "--policy", "titan", "--loss-chunks", "8",
+                    "--out", str(plan)).returncode == 0
+    job = tmp_path / "job.py"
+    assert run_main("export", str(plan), "--format", "torchtitan", "--out", str(job)).returncode == 0
+    assert "config.loss = ChunkedLossWrapper.Config(num_chunks=8)" in job.read_text()
