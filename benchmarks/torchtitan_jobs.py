@@ -4,7 +4,8 @@
 Run: ``python benchmarks/torchtitan_jobs.py`` (writes benchmarks/torchtitan_jobs.md; about 3 min on 2 cores). Each
 row is ``fsdp-planner plan --from-torchtitan FILE.py:JOB --cluster h100:N --json``: the job simulated as its keys
 configure it (TP and EP kept, its checkpointing, its grouping), auto's plan for the same model, workload and cluster,
-and the keys auto would change. The figures are the simulator's (bf16-mixed, the preset's roofline); no GPU ran them.
+and the keys auto would change (the job's loss in its ChunkedLossWrapper chunks for both). The figures are the
+simulator's (bf16-mixed, the preset's roofline); no GPU ran them.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def main() -> None:
         "`fsdp-planner plan --from-torchtitan tests/fixtures/torchtitan/FOLDER/config_registry.py:JOB --cluster "
         "h100:N --json` for each row (torchtitan b5bcd76's config registry; bf16-mixed; the H100 preset's roofline, "
         "no GPU). 'auto' is free to choose grouping, checkpointing, reshard, offload, HSDP and the EP degree; the job "
-        "keeps its keys. Step and reserved memory per rank; '(over)' is above the 70.8 GiB budget.",
+        "keeps its keys, its loss among them (each job's ChunkedLossWrapper chunks: `--loss-chunks 8`, auto's too). "
+        "Step and reserved memory per rank; '(over)' is above the 70.8 GiB budget.",
         "",
         "| job | cluster | the job as configured | auto | auto against the job | verdict; keys auto would change | "
         "plan s |",

@@ -17,6 +17,7 @@ from fsdp_planner.cli.requests import (
     fake_world_request,
     verify_request,
 )
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count, json_text
 from fsdp_planner.fsdp2.pitfalls import routing_skip_findings
 from fsdp_planner.fsdp2.plan import Plan
@@ -39,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
     if args.fake_world_size is not None:
         return run_fake(fake_world_request(args))
     request = verify_request(args)  # every argument checked before the model is traced or auto searches
+    if request.model.loss_chunks:
+        raise PlannerError("--loss-chunks: the torchrun job trains the model's own loss over the whole sequence, "
+                           "for parity with one process; the chunked loss's collectives and memory are checked "
+                           "against real FSDP2 on fake ranks: add --fake-world-size N")
     for note in request.notes:
         render.note(note)
     predict_on = _prediction_cluster(request)
