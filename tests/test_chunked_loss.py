@@ -173,3 +173,31 @@ def test_plans_and_exports_carry_the_chunks(tmp_path):
     job = tmp_path / "job.py"
     assert run_main("export", str(plan), "--format", "torchtitan", "--out", str(job)).returncode == 0
     assert "config.loss = ChunkedLossWrapper.Config(num_chunks=8)" in job.read_text()
+
+
+def test_the_python_api_plans_a_module_s_loss_in_chunks():
+    """``fsdp_planner.plan(model, inputs, loss_fn, loss_chunks=N)``: a training script's own model, traced as its
+    meta twin, with its output layer and loss in chunks; the plan records them; a bool is refused."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from fsdp_planner.api import plan
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.block, self.head = nn.Embedding(4096, 64), nn.Linear(64, 64), nn.Linear(64, 4096)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.block(self.embed(ids)))
+
+    ids = torch.randint(0, 4096, (2, 128))
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+
+    got = plan(LM(), (ids,), loss_fn, cluster="h100:8", policy="module", module_classes=("Linear",), loss_chunks=4)
+    assert got.loss_chunks == 4
+    with pytest.raises(PlannerError, match="loss_chunks must be a whole number, got True"):
+        plan("toy-llama", cluster="h100:8", loss_chunks=True)

@@ -28,7 +28,7 @@ from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.service.job import DEFAULT_CLUSTER
 from fsdp_planner.service.planning import Tracer
 from fsdp_planner.service.planning import plan as plan_job
-from fsdp_planner.service.tracing import trace_spec
+from fsdp_planner.service.tracing import trace_spec, with_loss_chunks
 from fsdp_planner.service.validate import Keywords, Spelling
 from fsdp_planner.service.validate import plan_job as checked_job
 from fsdp_planner.sim.options import SimOptions
@@ -47,7 +47,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
          routing: float | None = None, hf_config: dict[str, Any] | None = None,
          gradient_sync: str | None = None, tp: int | None = None, loss_parallel: bool | None = None,
          async_tp: bool = False, ep: int | None = None, ep_placement: str | None = None,
-         fp32_modules: tuple[str, ...] = ()) -> Plan:
+         fp32_modules: tuple[str, ...] = (), loss_chunks: int | None = None) -> Plan:
     """The FSDP2 plan for ``model`` on ``cluster``: the plan ``fsdp-planner plan ... --policy POLICY --out`` writes
     for the same model and options (each keyword is the option of the same name, ``-`` as ``_``, checked by the
     same validator with the same types and ranges: a bool is a bool; the README's Python API section lists them).
@@ -58,6 +58,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     over the model's grouped experts (``--ep``; default none), the experts sharded where ``ep_placement``
     says (``--ep-placement``: "blocks" or "own"). ``fp32_modules``: modules kept in fp32 groups of their
     own under a mixed precision (``--fp32-modules``, e.g. MoE routers; BatchNorm with running stats needs no asking).
+    ``loss_chunks``: the output layer and the loss run in that many chunks of the tokens, each with its backward, as
+    torchtitan's ChunkedLossWrapper (``--loss-chunks``; default: the whole sequence at once).
 
     ``model`` is an ``nn.Module`` (on meta or real) with its ``inputs`` (a tuple of positional args, one tensor or
     a dict of kwargs: one micro-batch of one rank) and optional ``loss_fn`` (default: the mean of squares of the
@@ -86,11 +88,12 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         module_classes=module_classes or None, search_effort=search_effort, target=target,
         reduce_dtype=reduce_dtype, shard_placement=shard_placement, attention=attention, routing=routing,
         hf_config=hf_config, gradient_sync=gradient_sync, tp=tp, loss_parallel=loss_parallel, async_tp=async_tp,
-        ep=ep, ep_placement=ep_placement, fp32_modules=fp32_modules or None)
+        ep=ep, ep_placement=ep_placement, fp32_modules=fp32_modules or None, loss_chunks=loss_chunks)
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
                       split_by_default=True)
     tracer: Tracer = ((lambda spec, options: trace_spec(spec, options.precision)) if isinstance(model, str)
-                      else lambda spec, options: _traced_module(model, inputs, loss_fn, spec, options))
+                      else lambda spec, options: _with_its_chunks(
+                          _traced_module(model, inputs, loss_fn, spec, options), spec, options))
     outcome = plan_job(job, tracer)
     assert outcome.plan is not None  # one policy: its plan, or its error
     return outcome.plan
@@ -108,6 +111,12 @@ def _check_module(model: nn.Module, inputs: Any, batch: object, seq: object, hf_
         raise PlannerError("give the model's example inputs (one micro-batch of one rank): plan(model, inputs)")
     if not any(p.requires_grad for p in model.parameters()):
         raise PlannerError("the model has no trainable parameters: FSDP plans are for training")
+
+
+def _with_its_chunks(tr: Trace, spec: ModelSpec, options: SimOptions) -> Trace:
+    """A module's step with its loss in ``loss_chunks`` chunks, as a MODEL spec's is traced (its notes unsaid:
+    the API returns the plan)."""
+    return with_loss_chunks(tr, spec, options.precision, lambda line: None) if spec.loss_chunks else tr
 
 
 def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,

@@ -81,7 +81,7 @@ def _with_its_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[Loss
     """The step with its loss as the job runs it: compiled (``--compile-loss``), in chunks (``--loss-chunks``)."""
     if spec.compile_loss:
         tr = _with_compiled_loss(tr, lm, spec, given, precision, note)
-    return _with_chunked_loss(tr, spec, precision, note) if spec.loss_chunks else tr
+    return with_loss_chunks(tr, spec, precision, note) if spec.loss_chunks else tr
 
 
 def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[LossInputs], precision: Precision,
@@ -112,7 +112,7 @@ def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list
     return with_compiled_loss(tr, loss)
 
 
-def _with_chunked_loss(tr: Trace, spec: ModelSpec, precision: Precision, note: Callable[[str], None]) -> Trace:
+def with_loss_chunks(tr: Trace, spec: ModelSpec, precision: Precision, note: Callable[[str], None]) -> Trace:
     """The step with its output layer and loss run in chunks (``--loss-chunks``, ``trace/chunked_loss.py``); a
     model whose loss runs in its forward, or whose output no param-reading layer makes, as it was."""
     head = output_layer(tr)
