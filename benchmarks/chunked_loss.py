@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torchtitan_jobs import commit  # (this folder: the checkout's commit, '+' where files differ)
 
 MIB = 2**20
 # a small Qwen3 whose 151,936-token vocabulary dwarfs its two layers: the loss is the step's peak
@@ -72,19 +73,11 @@ def row(label: str, args: list[str]) -> str:
             f"{result['peak_error']:+.1%} | {cpu:.0f} |")
 
 
-def _commit() -> str:
-    root = Path(__file__).resolve().parents[1]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True)
-    return (head.stdout.strip() or "(no git)") + ("+" if dirty.stdout.strip() else "")
-
-
 def main() -> None:
     lines = [
         "# The loss in chunks: prediction beside real FSDP2 on fake ranks",
         "",
-        f"Measured by `python benchmarks/chunked_loss.py` at fsdp-planner {_commit()} on {platform.machine()}, torch "
+        f"Measured by `python benchmarks/chunked_loss.py` at fsdp-planner {commit()} on {platform.machine()}, torch "
         f"{torch.__version__}: `fsdp-planner verify MODEL ARGS --cluster h100:8 --fake-world-size 8 --json` for each "
         "row (bf16-mixed unless said). The measured column is real FSDP2 (and DTensor, EP's all-to-alls) on 8 fake "
         "ranks running torchtitan's ChunkedLossWrapper loop (`apply/chunked_loss.py`); the counts are FSDP2's "

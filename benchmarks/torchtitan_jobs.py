@@ -62,7 +62,7 @@ def row(folder: str, job: str, gpus: int) -> str:
             f"{changes} | {seconds:.0f} |")
 
 
-def _commit() -> str:
+def commit() -> str:
     """The checkout's commit the table was measured at (with '+' where files differ from it)."""
     root = Path(__file__).resolve().parents[1]
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
@@ -75,7 +75,7 @@ def main() -> None:
     lines = [
         "# torchtitan's shipped jobs beside auto's plan",
         "",
-        f"Measured by `python benchmarks/torchtitan_jobs.py` at fsdp-planner {_commit()} on {platform.machine()}, "
+        f"Measured by `python benchmarks/torchtitan_jobs.py` at fsdp-planner {commit()} on {platform.machine()}, "
         f"torch {torch.__version__}: "
         "`fsdp-planner plan --from-torchtitan tests/fixtures/torchtitan/FOLDER/config_registry.py:JOB --cluster "
         "h100:N --json` for each row (torchtitan b5bcd76's config registry; bf16-mixed; the H100 preset's roofline, "
