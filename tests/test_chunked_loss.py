@@ -77,8 +77,8 @@ def _traced(chunks: int, name: str = "toy-llama", **kw: object) -> object:
 
 def test_the_trace_keeps_its_ops_and_takes_a_chunk_s_bytes():
     """The chunked step has the whole step's events, FLOPs and bytes moved; the loss region's live bytes are one
-    chunk's beside the fp32 buffer of the hidden states' gradient; the output layer's matmuls run on a chunk's
-    tokens."""
+    chunk's, and the fp32 buffer of the hidden states' gradient is a term of its own (whole on each TP rank); the
+    output layer's matmuls run on a chunk's tokens."""
     whole, chunked = _traced(0), _traced(4)
     head = output_layer(chunked)
     assert head is not None and head.module == "output" and chunked.loss_chunks == 4
@@ -86,10 +86,10 @@ def test_the_trace_keeps_its_ops_and_takes_a_chunk_s_bytes():
     assert [e.flops for e in whole.events] == [e.flops for e in chunked.events]
     assert [e.nbytes for e in whole.events] == [e.nbytes for e in chunked.events]
     region = whole.index.loss_region
-    buffer = head.hidden_numel * 4
     for w, c, inside in zip(whole.events, chunked.events, region, strict=True):
         if inside:
-            assert c.live == -(-w.live // 4) + buffer  # (the compute dtype is the traced one: no scaling)
+            assert c.live == -(-w.live // 4)
+    assert chunked.loss_buffer == head.hidden_numel * 4 == 128 * 64 * 4  # fp32, batch 4 x seq 32, width 64
     tokens = head.hidden_numel // 64  # toy-llama's width
     kernels = [c.kernel for c in chunked.events[head.forward.start:head.forward.stop] if c.kernel > 0]
     assert kernels and max(kernels) <= tokens // 4
@@ -131,10 +131,48 @@ def test_a_chunked_loss_plans_within_less_memory():
     (("--loss-chunks", "3"), "runs on 128 tokens, which do not split into that many equal chunks"),
     (("--loss-chunks", "4", "--micro-batches", "2", "--batch", "8", "--gradient-sync", "last"),
      "turns the output layer's gradient sync back on at its last chunk"),
+    (("--loss-chunks", "4", "--micro-batches", "2", "--batch", "8", "--no-reshard-after-backward"),
+     "sets its output layer's group to reshard after backward when its chunks are done"),
 ])
 def test_a_chunk_count_it_cannot_run_is_one_sentence(args, says):
     r = run_main("plan", "toy-llama", "--cluster", "h100:8", "--policy", "titan", *args)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_model_computing_its_logits_in_its_own_forward_is_refused(tmp_path):
+    """A tied LM whose root computes ``F.linear(h, self.embed.weight)`` has no output layer the wrapper can leave
+    out: every op was scaled as the head's, 15.7 -> 6.2 MiB (a reviewer's finding); refused."""
+    path = tmp_path / "rootlm.py"
+    path.write_text("import torch, torch.nn as nn, torch.nn.functional as F\n\n"
+                    "class LM(nn.Module):\n"
+                    "    def __init__(self):\n"
+                    "        super().__init__()\n"
+                    "        self.embed, self.block = nn.Embedding(512, 32), nn.Linear(32, 32)\n"
+                    "    def forward(self, ids):\n"
+                    "        return F.linear(self.block(self.embed(ids)), self.embed.weight)\n\n"
+                    "def build(batch_size=2, seq_len=16):\n"
+                    "    ids = torch.randint(0, 512, (batch_size, seq_len))\n"
+                    "    return LM(), (ids,), lambda out: F.cross_entropy(out.flatten(0, 1).float(), ids.flatten())\n")
+    r = run_main("plan", f"{path}:build", "--cluster", "h100:8", "--policy", "module", "--module-classes", "Linear",
+                 "--loss-chunks", "4")
+    assert r.returncode == 2 and "computes its logits in its own forward, not in an output layer" in r.stderr
+
+
+def test_a_plan_that_reshards_the_head_before_the_chunks_cannot_run(tmp_path):
+    """The wrapper runs the output layer after the model's forward: a group holding its params without hooking it
+    (here the root's) must keep them gathered, or real FSDP2 reads sharded params (a reviewer's plan: MixedDtypeError
+    on fake ranks); refused in one sentence."""
+    out = tmp_path / "plan.json"
+    assert run_main("plan", "toy-llama", "--cluster", "h100:8", "--policy", "titan", "--loss-chunks", "4", "--out",
+                    str(out)).returncode == 0
+    data = json.loads(out.read_text())
+    data["groups"] = [g for g in data["groups"] if g["modules"] != ["norm", "output"]]
+    data["groups"].insert(-1, {"modules": ["norm"], "params": ["norm.weight"], "reshard_after_forward": True})
+    data["groups"][-1] = {"modules": [""], "params": ["output.weight"], "reshard_after_forward": True}
+    out.write_text(json.dumps(data))
+    r = run_main("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8", "--loss-chunks", "4")
+    assert r.returncode == 2, r.stdout
+    assert "runs 'output' after the model's forward, when group 6 ((root)) has resharded its params" in r.stderr
 
 
 def test_a_model_that_transforms_its_logits_is_refused(tmp_path):

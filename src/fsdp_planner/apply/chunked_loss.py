@@ -34,6 +34,11 @@ def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: 
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         raise PlannerError(f"--loss-chunks: without '{head}' the model returns no hidden states (a tensor of "
                            "tokens x width) to run it on in chunks")
+    if _sequence_sharded(hidden):
+        raise PlannerError(f"--loss-chunks: the hidden states '{head}' reads are sharded over the sequence (a "
+                           "sequence-parallel TP layout), which these ranks' chunks of whole tensors cannot split "
+                           "(torchtitan gathers them at its norm first): check the chunks without sequence "
+                           "parallelism, or this layout without --loss-chunks")
     flat = hidden.reshape(-1, hidden.shape[-1])
     tokens = flat.shape[0]
     if tokens % chunks:
@@ -56,6 +61,13 @@ def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: 
     del buffer
     flat.backward(grad)
     return total
+
+
+def _sequence_sharded(t: torch.Tensor) -> bool:
+    """A DTensor sharded on any dim (a sequence-parallel norm's output)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
 
 
 @contextlib.contextmanager

@@ -544,17 +544,17 @@ class Replay:
         head = output_layer(self.trace)
         if head is None:
             return None
-        own = head.module in self.group_of
-        self.shared.schedule.chunked = ChunkedGrads(head.forward.start, head.backward.start, head.backward.stop - 1,
-                                                    head.params, own)
-        if not own:
-            return None
         events, hooked = self.trace.events, set(self.hooked)
         root_post = next((i for i in range(head.forward.stop, len(events)) if i in hooked
                           and events[i].kind is EventKind.FWD_POST and events[i].module == ROOT), None)
-        root_pre = next((i for i in head.backward if i in hooked and events[i].kind is EventKind.BWD_PRE
-                         and events[i].module == ROOT), None)
-        if root_post is None:
+        # (the root's output is the hidden states: its pre-backward runs once the chunks are done, wherever the
+        # whole step's ran, before or inside the output layer's backward)
+        root_pre = next((i for i in range(head.forward.stop, head.backward.stop) if i in hooked
+                         and events[i].kind is EventKind.BWD_PRE and events[i].module == ROOT), None)
+        own = head.module in self.group_of and root_post is not None
+        self.shared.schedule.chunked = ChunkedGrads(head.forward.start, head.backward.start, head.backward.stop - 1,
+                                                    head.params, own)
+        if not own:
             return None
         for member in self.group_of[head.module].members:  # as the wrapper left it after the step before
             member.reshard_after_forward = True
@@ -595,7 +595,9 @@ class Replay:
         shared = self.shared
         for state in self.states:
             for member in reversed(state.members):
-                if member.training_state is not TrainingState.POST_BACKWARD:
+                # (the output layer's group ran its own post-backward in each chunk, which the replay's one pass
+                # of the layer's backward stands for)
+                if member.training_state is not TrainingState.POST_BACKWARD and member.chunked == frozenset():
                     member.post_backward(at)
                 member.training_state, member.state_in_backward = TrainingState.IDLE, False
                 member.modules_to_run.clear()

@@ -20,9 +20,11 @@ import numpy as np
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import printable_name
+from fsdp_planner.fsdp2.claim import hooked_in
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.fsdp2.tensor_parallel import matches
+from fsdp_planner.trace.chunked_loss import output_layer
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import proper_ancestors
 
@@ -99,6 +101,26 @@ def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> 
     bad = first_sharded_read(trace, plan, world_size)
     if bad is not None:
         raise PlannerError(f"this plan cannot run: {bad.describe(plan)}")
+    if (said := chunked_head_resharded(trace, plan)) is not None:
+        raise PlannerError(f"this plan cannot run: {said}")
+
+
+def chunked_head_resharded(trace: Trace, plan: Plan) -> str | None:
+    """Why a chunked loss's output layer would read sharded params, or None: the wrapper runs it after the model's
+    forward, so a group that holds its params without hooking it must keep them gathered after forward (the root's
+    group by default; torchtitan lists the layer in a group of its own, [norm, lm_head])."""
+    head = output_layer(trace) if trace.loss_chunks else None
+    if head is None:
+        return None
+    names = {trace.params[p].fqn for p in head.params}
+    for k, g in enumerate(plan.groups):
+        if names & set(g.params) and head.module not in hooked_in(trace, g.modules) \
+                and g.reshard_after_forward is not False:
+            return (f"the loss in chunks runs '{head.module}' after the model's forward, when group {k} "
+                    f"({', '.join(g.modules) or '(root)'}) has resharded its params (reshard_after_forward "
+                    f"{g.reshard_after_forward}): list '{head.module}' in a group of its own (torchtitan's "
+                    f"[norm, lm_head]) or keep group {k} gathered after forward")
+    return None
 
 
 def inside_compiled(plan: Plan, compiled: Collection[str]) -> tuple[int, str, str] | None:

@@ -24,7 +24,6 @@ from fsdp_planner.models import BUILTINS, LoadedModel, ModelSpec, as_spec, exit_
 from fsdp_planner.patching import quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_dependent
 from fsdp_planner.service import tp_numerics
-from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.chunked_loss import output_layer, output_tokens, unchunkable, with_chunked_loss
@@ -134,7 +133,7 @@ def with_loss_chunks(tr: Trace, spec: ModelSpec, precision: Precision, note: Cal
          f"1/{spec.loss_chunks} of the tokens at a time, each with its backward, beside an fp32 buffer of the hidden "
          "states' gradient; FSDP2 keeps the layer gathered through the chunks and reduce-scatters its gradient at the "
          "last (accumulated in the reduce dtype where the layer has a group of its own call)")
-    return with_chunked_loss(tr, spec.loss_chunks, precision.compute_bytes / traced_itemsize(tr))
+    return with_chunked_loss(tr, spec.loss_chunks)
 
 
 LOCAL_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE)  # the styles whose one rank's step ``check_local_shapes`` runs

@@ -360,7 +360,13 @@ def model_spec(kw: Keywords, spell: Spelling, name: str | None = None) -> ModelS
 
 
 def _needs_micro_batches(kw: Keywords, spell: Spelling) -> None:
-    """Settings of how micro-batches run need micro-batches."""
+    """Settings of how micro-batches run need micro-batches (and, with a chunked loss, its wrapper's
+    ``set_reshard_after_backward(True)`` on the output layer after its chunks overrides keeping it gathered)."""
+    if kw.loss_chunks is not None and not flag(kw.reshard_after_backward, "reshard_after_backward", spell):
+        kept = "--no-reshard-after-backward" if spell is Spelling.CLI else "reshard_after_backward=False"
+        raise PlannerError(f"{kept} with {spell.name_of('loss_chunks')}: torchtitan's ChunkedLossWrapper sets its "
+                           "output layer's group to reshard after backward when its chunks are done, whatever the "
+                           "job set: plan the micro-batches resharding after backward")
     if not flag(kw.reshard_after_backward, "reshard_after_backward", spell) and kw.micro_batches is None:
         kept = "--no-reshard-after-backward" if spell is Spelling.CLI else "reshard_after_backward=False"
         raise PlannerError(f"{kept} keeps params gathered between micro-batches: add "

@@ -35,9 +35,8 @@ from fsdp_planner.trace.records import Trace
 
 
 def traced_itemsize(trace: Trace) -> int:
-    """Bytes per element the model was traced in: the compute dtype it was cast to, else its widest param
-    dtype."""
-    return trace.compute_itemsize or max((p.itemsize for p in trace.params), default=4)
+    """Bytes per element the model was traced in (``Trace.traced_itemsize``)."""
+    return trace.traced_itemsize
 
 
 def flop_efficiency(kernel: np.ndarray, compute: Compute) -> np.ndarray:

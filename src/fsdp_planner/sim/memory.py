@@ -302,6 +302,8 @@ class MemoryModel:
         groups = self.sizing.groups(plan)
         changes = Changes(len(_DYNAMIC))
         self._gathered(changes, schedule, groups)
+        if schedule.chunked is not None:  # (every micro-batch runs the chunks)
+            self._chunk_accumulated(changes, schedule.chunked)
         reduces = [c for c in schedule.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
         for c in reduces:  # a TP view's grads made whole: apart from the rest (``_replicated_grad``)
             for p, whole, shard in self.sizing.replicated_grads(c.params):
@@ -322,8 +324,6 @@ class MemoryModel:
             freed_at[k] = freed if reduces[k].event < n - 1 else reduces[k + 1].event if k + 1 < len(reduces) else n
             if reduces[k].group not in schedule.keeps_reduce_inputs:
                 freed = reduces[k].event
-        if schedule.chunked is not None and phase is not GradSync.FIRST:
-            self._chunk_accumulated(changes, schedule.chunked)
         reduced_at: dict[int, int] = {}  # param -> the event of its last reduce-scatter so far (a chunked loss's)
         for c, end in zip(reduces, freed_at, strict=True):
             if schedule.chunked is not None:  # its tied output layer: reduced after the chunks, then after the
@@ -370,7 +370,9 @@ class MemoryModel:
         them after the first chunk into an accumulator of the reduce dtype (``FSDPParam.
         to_accumulated_grad_if_needed``), beside each chunk's own grads, which are added in and freed at its
         post-backward (at the last, before the reduce-scatter copies the accumulator in); elsewhere autograd adds
-        each chunk's grads into the ones before (both alive only while it does: not counted)."""
+        each chunk's grads into the ones before (both alive only while it does: not counted). Beside them, the
+        wrapper's fp32 buffer of the hidden states' gradient (``Trace.loss_buffer``)."""
+        changes.add(2, chunked.start, chunked.end + 1, self.trace.loss_buffer)  # the hidden states' fp32 gradient
         own = self.sizing.tp_local_grads(chunked.params)
         if chunked.own and self._separate_accumulation:
             changes.add(2, chunked.start, chunked.end + 1, self._accumulated(own))

@@ -29,6 +29,7 @@ import dataclasses
 
 from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,14 @@ class OutputLayer:
 
 def output_layer(trace: Trace) -> OutputLayer | None:
     """The module whose op last read params before the loss began (a language model's ``lm_head``, tied or not),
-    or None where the trace has no loss region (a model computing its loss in its forward) or none reads params."""
+    or None where the trace has no loss region (a model computing its loss in its forward) or none reads params.
+    Found once per trace (the replay and the TP view ask it of every plan)."""
+    if "output_layer" not in trace.index.memo:
+        trace.index.memo["output_layer"] = _output_layer(trace)
+    return trace.index.memo["output_layer"]
+
+
+def _output_layer(trace: Trace) -> OutputLayer | None:
     events = trace.events
     region = trace.index.loss_region
     start = next((i for i, (e, inside) in enumerate(zip(events, region, strict=True))
@@ -67,7 +75,7 @@ def output_layer(trace: Trace) -> OutputLayer | None:
            and events[i].module == module and events[i].call == call]
     if len(bwd) < 2:
         return None
-    itemsize = trace.compute_itemsize or 4
+    itemsize = trace.traced_itemsize
     params = tuple(sorted({p for i in range(pre, post) for p in events[i].params}))
     return OutputLayer(module, range(pre, post + 1), range(bwd[0], bwd[-1] + 1),
                        events[pre].kept_inputs // itemsize, params, sum(trace.params[p].numel for p in params))
@@ -78,6 +86,9 @@ def unchunkable(trace: Trace, head: OutputLayer) -> str | None:
     output layer alone on the model's hidden states, so the model must return the layer's output as it is (no op
     after it: a soft-cap or a scale would be skipped) and call the layer once (not per prediction depth)."""
     events = trace.events
+    if head.module == ROOT or not head.hidden_numel:
+        return ("the model computes its logits in its own forward, not in an output layer of its own (a module "
+                "whose forward the wrapper can leave out and run alone on the hidden states)")
     calls = sum(1 for e in events if e.kind is EventKind.FWD_PRE and e.module == head.module)
     if calls > 1:
         return f"the model calls its output layer '{head.module}' {calls} times a step"
@@ -90,32 +101,31 @@ def unchunkable(trace: Trace, head: OutputLayer) -> str | None:
     return None
 
 
-def with_chunked_loss(trace: Trace, chunks: int, scale: float) -> Trace:
+def with_chunked_loss(trace: Trace, chunks: int) -> Trace:
     """The step with its output layer and loss run in ``chunks`` chunks (module docstring); unchanged where
-    ``output_layer`` finds none. ``scale``: the precision's compute bytes per traced byte, by which the memory
-    model scales the loss region's and the gradients' bytes (``sim/recompute.py``), not the temporaries'. The
-    output layer's gradient FSDP2 accumulates through the chunks is the plan's (where a group of the layer's own
-    call holds it: ``sim/memory.py``)."""
+    ``output_layer`` finds none. The output layer's gradient FSDP2 accumulates through the chunks is the plan's
+    (where a group of the layer's own call holds it: ``sim/memory.py``)."""
     head = output_layer(trace)
     if head is None or chunks < 2:
         return trace
-    buffer = head.hidden_numel * 4  # the GradAccumulator's fp32 buffer of the hidden states' gradient
     tokens = output_tokens(trace, head)
     region = trace.index.loss_region
     events = list(trace.events)
-    held = round(buffer / scale)  # in the scaled fields' traced bytes
     for i in range(head.forward.start, head.backward.stop):
         e = events[i]
         if e.kind is not EventKind.OP:
             continue
         if region[i]:
-            events[i] = e._replace(live=_share(e.live, chunks) + held)
+            events[i] = e._replace(live=_share(e.live, chunks))
         elif e.backward:
-            events[i] = e._replace(grad_live=_share(e.grad_live, chunks) + held, kernel=_kernel(e, tokens, chunks))
-        else:  # the output layer's forward: its temporaries, counted at the traced dtypes, unscaled
-            events[i] = e._replace(live=_share(e.live, chunks) + buffer, kernel=_kernel(e, tokens, chunks))
+            events[i] = e._replace(grad_live=_share(e.grad_live, chunks), kernel=_kernel(e, tokens, chunks))
+        else:  # the output layer's forward: its temporaries
+            events[i] = e._replace(live=_share(e.live, chunks), kernel=_kernel(e, tokens, chunks))
     blocks = tuple((made, freed, _share(n, chunks)) for made, freed, n in trace.loss_blocks)
-    return dataclasses.replace(trace, events=tuple(events), loss_blocks=blocks, loss_chunks=chunks)
+    # the GradAccumulator's fp32 buffer of the hidden states' gradient: whole on every TP rank (the hidden states
+    # are replicated there), so not in the fields a TP view scales (``sim/memory.py`` holds it through the chunks)
+    return dataclasses.replace(trace, events=tuple(events), loss_blocks=blocks, loss_chunks=chunks,
+                               loss_buffer=head.hidden_numel * 4)
 
 
 def _share(nbytes: int, chunks: int) -> int:

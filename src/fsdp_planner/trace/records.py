@@ -64,6 +64,8 @@ class Trace:
     # region's live bytes and memory-bound bytes already are; None: the loss runs eager
     loss_chunks: int = 0  # the output layer and the loss run in this many chunks of the tokens, each with its
     # backward (``chunked_loss.py``: torchtitan's ChunkedLossWrapper), which the events' bytes already are; 0: whole
+    loss_buffer: int = 0  # with loss_chunks: bytes of the wrapper's fp32 buffer of the hidden states' gradient,
+    # alive through the chunks (``sim/memory.py``), whole on each TP rank
     tensor_parallel: tuple = ()  # a per-TP-rank view (``sim/tensor_parallel.py``): the TP layout's signature
     # (degree, layout, loss parallel, async TP); empty: the whole model on one rank
     float8_tp: frozenset[str] = frozenset()  # in a TP view: the modules in torchao's float8 TP styles
@@ -87,6 +89,12 @@ class Trace:
     # (``sim/tensor_parallel.py``); 0: no fused attention seen
     stood_in: tuple[str, ...] = ()  # the modules a data-dependent op ran in as the balanced-routing stand-in
     # (``routing.py``), sorted ("" the root): where a real step's shapes may differ from rank to rank
+
+    @property
+    def traced_itemsize(self) -> int:
+        """Bytes per element the model was traced in: the compute dtype it was cast to, else its widest param
+        dtype."""
+        return self.compute_itemsize or max((p.itemsize for p in self.params), default=4)
 
     @property
     def ep_degree(self) -> int:
