@@ -1207,15 +1207,27 @@ def test_a_chunked_loss_job_is_judged_with_its_loss_in_chunks(capsys):
 
 
 @pytest.mark.parametrize(("chunks", "read", "note"), [
-    ("", 8, None), ("num_chunks=4", 4, None), ("num_chunks=1", None, "num_chunks = 1: one chunk"),
-    ("num_chunks=n()", 0, "(not a whole number from 2 to 1,024) is simulated as one"),
-    ("num_chunks=4096", 0, "num_chunks = 4096 (not a whole number")])
+    ("", 8, None), ("num_chunks=4", 4, None), ("num_chunks=1", None, "num_chunks = 1 is simulated as one"),
+    ("num_chunks=n()", 0, "num_chunks = n(...) (not a literal) is simulated as one"),
+    ("loss_fn=MSELoss.Config()", 8, "loss_fn = MSELoss.Config is simulated as its default")])
 def test_a_chunked_loss_is_read_or_said(tmp_path, chunks, read, note):
     """``loss = ChunkedLossWrapper.Config(...)``: its chunks given to the step (the default 8 where not set); one
-    chunk is the whole loss; a number it cannot read, or out of bounds, is the whole loss with a note."""
+    chunk is the whole loss; a number it cannot read is the whole loss with a note; another inner loss is said."""
     path = tmp_path / "config_registry.py"
     path.write_text(REGISTRY_HEAD + f"        loss=ChunkedLossWrapper.Config({chunks}),\n    )\n")
     cfg = read_config(TORCHTITAN, f"{path}:job")
     assert cfg.loss_chunks == read
     said = [n for n in cfg.notes if n.startswith(CHUNKED)]
     assert said == [] if note is None else note in said[0]
+
+
+@pytest.mark.parametrize(("chunks", "says"), [
+    ("num_chunks=0", "num_chunks = 0: torchtitan's wrapper splits the tokens into num_chunks equal chunks"),
+    ("num_chunks=None", "num_chunks = None: torchtitan's wrapper"), ("num_chunks='4'", "num_chunks = '4': "),
+    ("num_chunks=4096", "num_chunks = 4,096: fsdp-planner plans a loss in at most 1,024 chunks"),
+    ("4", "ChunkedLossWrapper.Config takes keyword arguments only")])
+def test_a_chunk_count_torchtitan_refuses_is_one_error(tmp_path, chunks, says):
+    """A count the wrapper would fail on (or more than the planner plans) is one sentence naming the job, not a
+    note beside a whole-sequence loss (a new user's trial: 0, None and '4' were notes)."""
+    _refused(tmp_path, REGISTRY_HEAD + f"        loss=ChunkedLossWrapper.Config({chunks}),\n    )\n",
+             r"^torchtitan job '.*:job': .*" + re.escape(says))

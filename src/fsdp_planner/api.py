@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
+from fsdp_planner.apply.chunked_loss import cross_entropy
 from fsdp_planner.attention import kernel
 from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PolicyName, Target
 from fsdp_planner.errors import PlannerError
@@ -91,8 +92,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
                       split_by_default=True)
     tracer: Tracer = ((lambda spec, options: trace_spec(spec, options.precision)) if isinstance(model, str)
-                      else lambda spec, options: _with_its_chunks(
-                          _traced_module(model, inputs, loss_fn, spec, options), spec, options))
+                      else lambda spec, options: _with_its_chunks(model, inputs, loss_fn, spec, options))
     outcome = plan_job(job, tracer)
     assert outcome.plan is not None  # one policy: its plan, or its error
     return outcome.plan
@@ -112,10 +112,14 @@ def _check_module(model: nn.Module, inputs: Any, batch: object, seq: object, hf_
         raise PlannerError("the model has no trainable parameters: FSDP plans are for training")
 
 
-def _with_its_chunks(tr: Trace, spec: ModelSpec, options: SimOptions) -> Trace:
-    """A module's step with its loss in ``loss_chunks`` chunks, as a MODEL spec's is traced (its notes unsaid:
-    the API returns the plan)."""
-    return with_loss_chunks(tr, spec, options.precision, lambda line: None) if spec.loss_chunks else tr
+def _with_its_chunks(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                     spec: ModelSpec, options: SimOptions) -> Trace:
+    """A module's step (``_traced_module``), with its loss in ``loss_chunks`` chunks as a MODEL spec's is traced:
+    the wrapper's inner cross-entropy in place of ``loss_fn`` (its notes unsaid: the API returns the plan)."""
+    if not spec.loss_chunks:
+        return _traced_module(model, inputs, loss_fn, spec, options)
+    tr = _traced_module(model, inputs, cross_entropy, spec, options)
+    return with_loss_chunks(tr, spec, options.precision, lambda line: None)
 
 
 def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,

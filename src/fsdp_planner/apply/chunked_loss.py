@@ -20,9 +20,27 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
 from fsdp_planner.errors import PlannerError
+
+
+def logits_of(output: Any) -> torch.Tensor | None:
+    """The tensor a language model returns its logits in (the output, or its ``.logits``); None for another."""
+    found = output.logits if isinstance(getattr(output, "logits", None), torch.Tensor) else output
+    return found if isinstance(found, torch.Tensor) and found.dim() >= 2 else None
+
+
+def cross_entropy(output: Any) -> torch.Tensor:
+    """torchtitan's CrossEntropyLoss over every token of the model's logits (upcast to fp32, summed over the
+    tokens and divided by their count; the labels' values do not change what a step holds): the loss a chunked
+    step runs, whole here as the trace runs it before ``trace/chunked_loss.py`` takes a chunk's share."""
+    logits = logits_of(output)
+    if logits is None:
+        raise PlannerError("--loss-chunks: the model's output has no logits (a tensor of tokens x vocabulary, or "
+                           "an output with .logits) for the cross-entropy torchtitan's ChunkedLossWrapper runs")
+    flat = logits.reshape(-1, logits.shape[-1])
+    labels = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    return F.cross_entropy(flat.float(), labels, reduction="sum") / flat.shape[0]
 
 
 def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -30,8 +48,8 @@ def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: 
     layer = model.get_submodule(head)
     with _without(model, head):
         output = model(*args, **kwargs)
-    hidden = output.logits if isinstance(getattr(output, "logits", None), torch.Tensor) else output
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+    hidden = logits_of(output)
+    if hidden is None:
         raise PlannerError(f"--loss-chunks: without '{head}' the model returns no hidden states (a tensor of "
                            "tokens x width) to run it on in chunks")
     if _sequence_sharded(hidden):
@@ -47,6 +65,8 @@ def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: 
     labels = torch.zeros(tokens, dtype=torch.long, device=flat.device)
     buffer = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
     total = torch.zeros((), dtype=torch.float32, device=flat.device)
+    from torch.distributed.fsdp import FSDPModule  # (here: planning imports this module's loss, not FSDP)
+
     with _unsharded_through(layer):
         for i, piece in enumerate(flat.detach().split(size)):
             if i == chunks - 1 and isinstance(layer, FSDPModule):  # one reduce-scatter, at the last chunk
@@ -97,6 +117,8 @@ def _without(model: nn.Module, head: str) -> Iterator[None]:
 def _unsharded_through(layer: nn.Module) -> Iterator[None]:
     """The output layer gathered once for every chunk, its gradient synced at the last only (the caller turns it
     on there), resharded after: ``ChunkedLossWrapper``'s calls on an FSDP2 module; nothing for another."""
+    from torch.distributed.fsdp import FSDPModule
+
     if not isinstance(layer, FSDPModule):
         yield
         return

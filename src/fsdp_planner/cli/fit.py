@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import time
 from collections.abc import Callable
@@ -254,23 +255,25 @@ def _largest_batch(request: FitRequest, points: Points) -> tuple[dict[str, Any],
     """The largest batch that fits at the sequence without CPU offload, then with it (auto's last resort), and the
     fastest per GPU of the batches searched (checkpointing may make the largest slower than a smaller one)."""
     seq = request.seq
-    cap = min(MAX_BATCH, MAX_TOKENS // (seq or 1))
+    step = chunked_step(seq or 1, request.model.loss_chunks)  # (batches whose tokens split into the chunks)
+    cap = min(MAX_BATCH, MAX_TOKENS // (seq or 1)) // step * step
     where = f" at seq {seq:,}" if seq else ""
     at = lambda b: (b, seq, 1)  # noqa: E731
-    plain = largest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), 1, cap)
+    plain = largest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), step, cap, step)
     largest = plain
     if not request.no_offload and (plain is None or plain < cap):
-        largest = largest_confirmed(points.screen(at), points.fits(at, past_plain=True), (plain or 0) + 1, cap) or plain
-    if largest is None and request.no_offload and not points.no_fit(1, seq):  # batch 1 fits with offload only
-        _verdict(request, points, 1, seq, f"batch 1{where}")  # raises: the fewest GPUs without offload
+        largest = largest_confirmed(points.screen(at), points.fits(at, past_plain=True), (plain or 0) + step, cap,
+                                    step) or plain
+    if largest is None and request.no_offload and not points.no_fit(step, seq):  # the least fits with offload only
+        _verdict(request, points, step, seq, f"batch {step}{where}")  # raises: the fewest GPUs without offload
     if largest is None:
-        raise PlannerError(f"nothing fits even at batch 1: {points.no_fit(1, seq)}")
+        raise PlannerError(f"nothing fits even at batch {step}: {points.no_fit(step, seq)}")
     per = _per(request)
     if plain is None:
-        lines = [_verdict(request, points, 1, seq, f"batch 1{where}")]
+        lines = [_verdict(request, points, step, seq, f"batch {step}{where}")]
     else:
         capped = " (the largest tried: the search stops there)" if plain >= cap else ""
-        after = "" if plain >= cap else f"; batch {plain + 1:,} does not fit without it"
+        after = "" if plain >= cap else f"; batch {plain + step:,} does not fit without it"
         lines = [f"largest batch without CPU offload{where} on {request.cluster.name}: {plain:,}{capped}: "
                  f"{_figures(points.at(plain, seq), per)}{after}"]
     lines += _offload_line("batch", plain, largest, cap, lambda b: points.at(b, seq), per, where, request)
@@ -280,7 +283,7 @@ def _largest_batch(request: FitRequest, points: Points) -> tuple[dict[str, Any],
         lines.append(f"most {per}/s per GPU of the batches searched{where}: {fastest.batch:,}"
                      f"{' (with CPU offload)' if fastest.offload else ''}: {_figures(fastest, per)}")
     return {"seq": seq, "largest": largest, "largest_without_offload": plain, "fastest": fastest.batch,
-            "next": _next(points, largest + 1, seq)}, lines
+            "next": _next(points, largest + step, seq)}, lines
 
 
 def _longest_seq(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str]]:
@@ -292,7 +295,8 @@ def _longest_seq(request: FitRequest, points: Points) -> tuple[dict[str, Any], l
     limit = points.seq_limit()
     if limit is not None and limit[1] < cap:
         cap = limit[1]
-    step = min(SEQ_STEP, 1 << (seq.bit_length() - 1))
+    step = math.lcm(min(SEQ_STEP, 1 << (seq.bit_length() - 1)), chunked_step(b, request.model.loss_chunks))
+    cap = cap // step * step  # (sequences whose tokens split into the loss's chunks)
     at = lambda s: (b, s, 1)  # noqa: E731
     start = min(seq, cap)
     plain = largest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), start, cap, step,
@@ -353,6 +357,12 @@ def _verdict(request: FitRequest, points: Points, batch: int, seq: int | None, w
     if request.no_offload:
         raise PlannerError(f"{fewest.line(f'{request.cluster.name} at {workload}')} (--no-offload)")
     return fewest.line(f"{request.cluster.name} at {workload}", points.at(batch, seq).step_time)
+
+
+def chunked_step(other: int, chunks: int) -> int:
+    """The step of a batch (or sequence) search at ``other`` sequence tokens (or batch) whose tokens a chunked
+    loss splits into ``chunks`` equal chunks (torchtitan's ChunkedLossWrapper); 1 without chunks."""
+    return chunks // math.gcd(other, chunks) if chunks else 1
 
 
 def _next(points: Points, batch: int, seq: int | None) -> dict[str, Any] | None:

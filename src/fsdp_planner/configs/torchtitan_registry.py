@@ -691,7 +691,7 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
         elif key == "optimizer":
             data[key] = _optimizer(value, label, notes)
         elif key == "loss":
-            if (chunks := _loss(value, notes)) is not None:
+            if (chunks := _loss(value, notes, label)) is not None:
                 data[LOSS_TABLE] = {"chunks": chunks}
         elif key in READ:
             data[key] = _section(key, value, label, notes)
@@ -710,28 +710,52 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
 DEFAULT_LOSS_CHUNKS = 8
 
 
-def _loss(value: Any, notes: list[str]) -> int | None:
+def _loss(value: Any, notes: list[str], label: str) -> int | None:
     """``loss=``: torchtitan's whole-sequence ``CrossEntropyLoss`` is what the step simulates; any other, a note that
     says what is simulated instead (the loss is often a step's memory peak: its logits and their fp32 copies). A
-    ``ChunkedLossWrapper``'s chunks are returned (0 where not a literal): the verdict says them beside a loss peak."""
+    ``ChunkedLossWrapper``'s chunks are returned (its ``num_chunks``: the step's ``--loss-chunks``; 0 where not a
+    literal, simulated whole with a note); a count torchtitan's wrapper would refuse is one error naming it."""
     if isinstance(value, Call) and value.kind == "CrossEntropyLoss":
         return None
     if isinstance(value, Call) and value.kind == "ChunkedLossWrapper":
-        chunks = value.fields.get("num_chunks", DEFAULT_LOSS_CHUNKS)
-        if type(chunks) is int and 2 <= chunks <= MAX_LOSS_CHUNKS:
-            return chunks  # simulated as the wrapper runs (--loss-chunks: ``trace/chunked_loss.py``)
-        if type(chunks) is int and chunks == 1:
-            notes.append("loss = ChunkedLossWrapper with num_chunks = 1: one chunk, the whole sequence at once")
-            return None
-        notes.append(f"loss = ChunkedLossWrapper with num_chunks = {cut_short(repr(chunks))} (not a whole number "
-                     f"from 2 to {MAX_LOSS_CHUNKS:,}) is simulated as one cross-entropy over the whole sequence: "
-                     "the loss's own peak (the whole sequence's logits, and what the loss makes of them) is "
-                     "over-counted")
-        return 0
-    shown = value.name if isinstance(value, Call) else cut_short(str(value))
+        return _chunks(value, notes, label)
+    shown = value.name if isinstance(value, Call) else value.source if isinstance(value, Unread) else \
+        cut_short(str(value))
     notes.append(f"loss = {shown_json(shown)[1:-1]} is simulated as torchtitan's CrossEntropyLoss over the whole "
                  "sequence")
     return None
+
+
+def _chunks(value: Call, notes: list[str], label: str) -> int | None:
+    """A ``ChunkedLossWrapper.Config(...)``'s chunks (``_loss``)."""
+    if value.args:  # (the Config is a keyword-only dataclass: torchtitan raises a TypeError)
+        raise PlannerError(f"{label}: ChunkedLossWrapper.Config takes keyword arguments only (num_chunks=N), as "
+                           "torchtitan's dataclass does")
+    inner = value.fields.get("loss_fn")
+    if inner is not None and not (isinstance(inner, Call) and inner.kind == "CrossEntropyLoss"):
+        shown = inner.name if isinstance(inner, Call) else getattr(inner, "source", cut_short(str(inner)))
+        notes.append(f"loss = ChunkedLossWrapper's loss_fn = {shown_json(shown)[1:-1]} is simulated as its default, "
+                     "torchtitan's CrossEntropyLoss, in the chunks")
+    chunks = value.fields.get("num_chunks", DEFAULT_LOSS_CHUNKS)
+    if isinstance(chunks, Unread | Call):
+        shown = chunks.source if isinstance(chunks, Unread) else f"{chunks.name}(...)"
+        notes.append(f"loss = ChunkedLossWrapper with num_chunks = {shown} (not a literal) is simulated as "
+                     "one cross-entropy over the whole sequence: the loss's own peak (the whole sequence's logits, "
+                     "and what the loss makes of them) is over-counted")
+        return 0
+    if type(chunks) is not int or chunks < 1:
+        raise PlannerError(f"{label}: loss = ChunkedLossWrapper with num_chunks = {cut_short(repr(chunks))}: "
+                           "torchtitan's wrapper splits the tokens into num_chunks equal chunks, a whole number of "
+                           "at least 1")
+    if chunks > MAX_LOSS_CHUNKS:
+        raise PlannerError(f"{label}: loss = ChunkedLossWrapper with num_chunks = {chunks:,}: fsdp-planner plans a "
+                           f"loss in at most {MAX_LOSS_CHUNKS:,} chunks (--loss-chunks)")
+    if chunks == 1:
+        notes.append("loss = ChunkedLossWrapper with num_chunks = 1 is simulated as one cross-entropy over the "
+                     "whole sequence (the wrapper's own backward of the output layer and its fp32 buffer of the "
+                     "hidden states' gradient are not counted)")
+        return None
+    return chunks  # simulated as the wrapper runs (``trace/chunked_loss.py``)
 
 
 def _exported_plan(tree: ast.Module, label: str) -> str | None:

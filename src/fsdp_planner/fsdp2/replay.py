@@ -91,6 +91,7 @@ class ChunkedGrads(NamedTuple):
     end: int
     params: tuple[int, ...]
     own: bool
+    weight_grad: int  # the output layer's backward op making its weight's grad (``OutputLayer.weight_grad``)
 
 
 @dataclass
@@ -553,7 +554,7 @@ class Replay:
                          and events[i].kind is EventKind.BWD_PRE and events[i].module == ROOT), None)
         own = head.module in self.group_of and root_post is not None
         self.shared.schedule.chunked = ChunkedGrads(head.forward.start, head.backward.start, head.backward.stop - 1,
-                                                    head.params, own)
+                                                    head.params, own, head.weight_grad)
         if not own:
             return None
         for member in self.group_of[head.module].members:  # as the wrapper left it after the step before

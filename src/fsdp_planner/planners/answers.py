@@ -382,6 +382,9 @@ def loss_chunks_answer(other: Trace, plan: Plan, cluster: Cluster, options: SimO
                   if slower else ""))
     else:
         what = f"the same plan with the loss whole (no chunks): {_versus(base, alt, budget)}"
+        more = alt.reserved_memory - base.reserved_memory
         fix = ("keep the loss in chunks: whole, the plan is over the budget" if not budget.fits(alt.reserved_memory)
+               else f"keep the loss in chunks: whole is as fast here and holds {fmt_bytes(more)} more"
+               if abs(alt.step_time / base.step_time - 1) < NEGLIGIBLE and more > 0
                else _without_fix(base, alt, budget, "the chunked loss", "whole"))
     return Finding(Severity.INFO, Code.LOSS_CHUNKS_PAY, what, fix)

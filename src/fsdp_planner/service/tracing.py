@@ -7,11 +7,13 @@ import functools
 import re
 from collections.abc import Callable
 from copy import deepcopy
+from typing import Any
 
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointError
 
 from fsdp_planner import linear_attention, routing, selective_scan
+from fsdp_planner.apply.chunked_loss import cross_entropy
 from fsdp_planner.attention import Kernel, kernel
 from fsdp_planner.choices import SacPolicy
 from fsdp_planner.errors import PlannerError
@@ -44,7 +46,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     spec = as_spec(spec)
     lm = load_model(spec, meta=True)
     loss_inputs: list[LossInputs] = []
-    loss_fn = capturing(lm.loss_fn or default_loss, loss_inputs) if spec.compile_loss else lm.loss_fn
+    own_loss = _step_loss(lm, spec, note)
+    loss_fn = capturing(own_loss or default_loss, loss_inputs) if spec.compile_loss else own_loss
     try:
         # transformers says on a CPU that its reference gated DeltaNet convolution is slower than the causal-conv1d
         # package's kernel: a planned step takes the GPU's kernels (``linear_attention.py``)
@@ -75,16 +78,24 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
 
 
+def _step_loss(lm: LoadedModel, spec: ModelSpec, note: Callable[[str], None]) -> Callable[[Any], Any] | None:
+    """The loss the step runs: the model's own, or with ``--loss-chunks`` the wrapper's inner cross-entropy."""
+    if spec.loss_chunks and lm.loss_fn is not None:
+        note("--loss-chunks: the loss is torchtitan's cross-entropy over the logits (ChunkedLossWrapper's inner "
+             "loss, fp32), which the chunks run in place of the model's own loss_fn")
+    return cross_entropy if spec.loss_chunks else lm.loss_fn
+
+
 def _with_its_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[LossInputs], precision: Precision,
                    note: Callable[[str], None]) -> Trace:
     """The step with its loss as the job runs it: compiled (``--compile-loss``), in chunks (``--loss-chunks``)."""
     if spec.compile_loss:
-        tr = _with_compiled_loss(tr, lm, spec, given, precision, note)
+        tr = _with_compiled_loss(tr, lm, spec, given, precision, note, cross_entropy if spec.loss_chunks else None)
     return with_loss_chunks(tr, spec, precision, note) if spec.loss_chunks else tr
 
 
 def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[LossInputs], precision: Precision,
-                        note: Callable[[str], None]) -> Trace:
+                        note: Callable[[str], None], loss: Callable[[Any], Any] | None = None) -> Trace:
     """The step with its loss compiled (``--compile-loss``, ``trace/compiled_loss.py``), measured on what the
     traced step gave the loss; a model whose forward computes its loss (a loss region of no op) as it was."""
     region = tr.index.loss_region
@@ -96,8 +107,8 @@ def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     try:
-        loss = record_compiled_loss(lm.model, lm.loss_fn or default_loss, given[0], precision.trace_dtype,
-                                    tr.full_precision)
+        compiled = record_compiled_loss(lm.model, loss or lm.loss_fn or default_loss, given[0],
+                                        precision.trace_dtype, tr.full_precision)
     except PlannerError:
         raise
     except (Unsupported, UserError, GuardOnDataDependentSymNode) as e:  # a graph break: torch.compile runs the
@@ -108,7 +119,7 @@ def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list
     except Exception as e:
         raise PlannerError(f"--compile-loss: AOTAutograd could not trace the loss of '{spec}' "
                            f"({compile_error(e)}); plan it without --compile-loss") from e
-    return with_compiled_loss(tr, loss)
+    return with_compiled_loss(tr, compiled)
 
 
 def with_loss_chunks(tr: Trace, spec: ModelSpec, precision: Precision, note: Callable[[str], None]) -> Trace:
@@ -122,8 +133,7 @@ def with_loss_chunks(tr: Trace, spec: ModelSpec, precision: Precision, note: Cal
         return tr
     refusal = unchunkable(tr, head)
     if refusal is not None:
-        raise PlannerError(f"--loss-chunks: {refusal}; torchtitan's ChunkedLossWrapper runs the output layer alone "
-                           "on the hidden states: plan this model's loss whole")
+        raise PlannerError(f"--loss-chunks: {refusal}: plan this model's loss whole")
     tokens = output_tokens(tr, head)
     if tokens and tokens % spec.loss_chunks:
         raise PlannerError(f"--loss-chunks {spec.loss_chunks}: the output layer '{head.module}' runs on {tokens:,} "

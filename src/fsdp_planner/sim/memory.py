@@ -370,15 +370,17 @@ class MemoryModel:
         them after the first chunk into an accumulator of the reduce dtype (``FSDPParam.
         to_accumulated_grad_if_needed``), beside each chunk's own grads, which are added in and freed at its
         post-backward (at the last, before the reduce-scatter copies the accumulator in); elsewhere autograd adds
-        each chunk's grads into the ones before (both alive only while it does: not counted). Beside them, the
+        each chunk's grads into the ones before, both alive at the op that makes them. Beside them, the
         wrapper's fp32 buffer of the hidden states' gradient (``Trace.loss_buffer``)."""
         changes.add(2, chunked.start, chunked.end + 1, self.trace.loss_buffer)  # the hidden states' fp32 gradient
         own = self.sizing.tp_local_grads(chunked.params)
         if chunked.own and self._separate_accumulation:
             changes.add(2, chunked.start, chunked.end + 1, self._accumulated(own))
             changes.add(2, chunked.end, chunked.end + 1, -self.sizing.grad_bytes(own))
-        else:
+        else:  # (and at the op making a chunk's, beside the ones before it is added to)
             changes.add(2, chunked.start, chunked.backward, self.sizing.grad_bytes(own))
+            if chunked.weight_grad >= 0:
+                changes.add(2, chunked.weight_grad, chunked.weight_grad + 1, self.sizing.grad_bytes(own))
 
     def _reduced_again(self, changes: Changes, c: Collective, again: dict[int, int], freed: int) -> Collective:
         """Of a reduce-scatter, the params an earlier one of the step reduced (``again``: param -> its event): each

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fsdp_planner.fmt import fmt_count
 from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -44,6 +45,7 @@ class OutputLayer:
     hidden_numel: int
     params: tuple[int, ...]
     params_numel: int
+    weight_grad: int  # the position of its backward's matmul making its weight's grad (reading no param), or -1
 
 
 def output_layer(trace: Trace) -> OutputLayer | None:
@@ -77,8 +79,11 @@ def _output_layer(trace: Trace) -> OutputLayer | None:
         return None
     itemsize = trace.traced_itemsize
     params = tuple(sorted({p for i in range(pre, post) for p in events[i].params}))
+    weight_grad = max((i for i in range(bwd[0], bwd[-1]) if events[i].kind is EventKind.OP and events[i].kernel > 0
+                       and not events[i].params and events[i].module == module), default=-1)
     return OutputLayer(module, range(pre, post + 1), range(bwd[0], bwd[-1] + 1),
-                       events[pre].kept_inputs // itemsize, params, sum(trace.params[p].numel for p in params))
+                       events[pre].kept_inputs // itemsize, params, sum(trace.params[p].numel for p in params),
+                       weight_grad)
 
 
 def unchunkable(trace: Trace, head: OutputLayer) -> str | None:
@@ -96,8 +101,9 @@ def unchunkable(trace: Trace, head: OutputLayer) -> str | None:
                  if inside and not e.backward)
     after = sum(1 for e in events[head.forward.stop:start] if e.kind is EventKind.OP)
     if after:
-        return (f"the model transforms the output of '{head.module}' before returning it ({after} ops in its "
-                "forward: a soft-cap or a scale of the logits), which a loss run on its hidden states would skip")
+        return (f"the model transforms the output of '{head.module}' before returning it ({fmt_count(after, 'op')} "
+                "in its forward after it: a soft-cap, a scale, a log-softmax or another output layer), which the "
+                f"wrapper, running '{head.module}' alone on the hidden states, would skip")
     return None
 
 
@@ -121,11 +127,30 @@ def with_chunked_loss(trace: Trace, chunks: int) -> Trace:
             events[i] = e._replace(grad_live=_share(e.grad_live, chunks), kernel=_kernel(e, tokens, chunks))
         else:  # the output layer's forward: its temporaries
             events[i] = e._replace(live=_share(e.live, chunks), kernel=_kernel(e, tokens, chunks))
+    _tied_sums(trace, head, events)
     blocks = tuple((made, freed, _share(n, chunks)) for made, freed, n in trace.loss_blocks)
     # the GradAccumulator's fp32 buffer of the hidden states' gradient: whole on every TP rank (the hidden states
     # are replicated there), so not in the fields a TP view scales (``sim/memory.py`` holds it through the chunks)
     return dataclasses.replace(trace, events=tuple(events), loss_blocks=blocks, loss_chunks=chunks,
                                loss_buffer=head.hidden_numel * 4)
+
+
+def _tied_sums(trace: Trace, head: OutputLayer, events: list[Event]) -> None:
+    """A tied weight's contributions: whole, autograd sums the output layer's and the embedding's in the
+    embedding's backward (three weight-sized tensors there, one of them the grad the FSDP2 replay counts); in
+    chunks, the layer's is the param's grad already, which the embedding's is added into: one weight-sized tensor
+    less at each of the embedding's backward ops that held two beside the grad."""
+    for p in head.params:
+        info = trace.params[p]
+        others = [m for m in info.owners if m != head.module]
+        nbytes = info.numel * trace.traced_itemsize
+        for module in others:
+            span = [i for i in range(head.backward.stop, len(events)) if events[i].module == module
+                    and events[i].kind in (EventKind.BWD_PRE, EventKind.BWD_POST)]
+            for i in range(span[0], span[-1]) if len(span) >= 2 else ():
+                e = events[i]
+                if e.kind is EventKind.OP and e.backward and e.grad_live >= 2 * nbytes:
+                    events[i] = e._replace(grad_live=e.grad_live - nbytes)
 
 
 def _share(nbytes: int, chunks: int) -> int:
