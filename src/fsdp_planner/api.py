@@ -18,7 +18,6 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
-from fsdp_planner.apply.chunked_loss import cross_entropy
 from fsdp_planner.attention import kernel
 from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PolicyName, Target
 from fsdp_planner.errors import PlannerError
@@ -34,6 +33,7 @@ from fsdp_planner.service.validate import Keywords, Spelling
 from fsdp_planner.service.validate import plan_job as checked_job
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
+from fsdp_planner.trace.chunked_loss import cross_entropy
 from fsdp_planner.trace.records import Trace
 
 

@@ -22,25 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_planner.errors import PlannerError
-
-
-def logits_of(output: Any) -> torch.Tensor | None:
-    """The tensor a language model returns its logits in (the output, or its ``.logits``); None for another."""
-    found = output.logits if isinstance(getattr(output, "logits", None), torch.Tensor) else output
-    return found if isinstance(found, torch.Tensor) and found.dim() >= 2 else None
-
-
-def cross_entropy(output: Any) -> torch.Tensor:
-    """torchtitan's CrossEntropyLoss over every token of the model's logits (upcast to fp32, summed over the
-    tokens and divided by their count; the labels' values do not change what a step holds): the loss a chunked
-    step runs, whole here as the trace runs it before ``trace/chunked_loss.py`` takes a chunk's share."""
-    logits = logits_of(output)
-    if logits is None:
-        raise PlannerError("--loss-chunks: the model's output has no logits (a tensor of tokens x vocabulary, or "
-                           "an output with .logits) for the cross-entropy torchtitan's ChunkedLossWrapper runs")
-    flat = logits.reshape(-1, logits.shape[-1])
-    labels = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
-    return F.cross_entropy(flat.float(), labels, reduction="sum") / flat.shape[0]
+from fsdp_planner.trace.chunked_loss import logits_of
 
 
 def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:

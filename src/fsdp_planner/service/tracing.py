@@ -13,7 +13,6 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointError
 
 from fsdp_planner import linear_attention, routing, selective_scan
-from fsdp_planner.apply.chunked_loss import cross_entropy
 from fsdp_planner.attention import Kernel, kernel
 from fsdp_planner.choices import SacPolicy
 from fsdp_planner.errors import PlannerError
@@ -28,7 +27,7 @@ from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_depe
 from fsdp_planner.service import tp_numerics
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
-from fsdp_planner.trace.chunked_loss import output_layer, output_tokens, unchunkable, with_chunked_loss
+from fsdp_planner.trace.chunked_loss import cross_entropy, output_layer, output_tokens, unchunkable, with_chunked_loss
 from fsdp_planner.trace.compiled import alike_blocks
 from fsdp_planner.trace.compiled_loss import LossInputs, capturing, with_compiled_loss
 from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN, KERNEL_SELECTIVE_SCAN

@@ -26,7 +26,12 @@ each of the output layer's matmuls runs on a chunk's tokens (``Event.kernel``: i
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import torch
+import torch.nn.functional as F
+
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.records import Trace
@@ -105,6 +110,25 @@ def unchunkable(trace: Trace, head: OutputLayer) -> str | None:
                 "in its forward after it: a soft-cap, a scale, a log-softmax or another output layer), which the "
                 f"wrapper, running '{head.module}' alone on the hidden states, would skip")
     return None
+
+
+def logits_of(output: Any) -> torch.Tensor | None:
+    """The tensor a language model returns its logits in (the output, or its ``.logits``); None for another."""
+    found = output.logits if isinstance(getattr(output, "logits", None), torch.Tensor) else output
+    return found if isinstance(found, torch.Tensor) and found.dim() >= 2 else None
+
+
+def cross_entropy(output: Any) -> torch.Tensor:
+    """torchtitan's CrossEntropyLoss over every token of the model's logits (upcast to fp32, summed over the
+    tokens and divided by their count; the labels' values do not change what a step holds): the loss a chunked
+    step runs, whole here as the trace runs it before ``trace/chunked_loss.py`` takes a chunk's share."""
+    logits = logits_of(output)
+    if logits is None:
+        raise PlannerError("--loss-chunks: the model's output has no logits (a tensor of tokens x vocabulary, or "
+                           "an output with .logits) for the cross-entropy torchtitan's ChunkedLossWrapper runs")
+    flat = logits.reshape(-1, logits.shape[-1])
+    labels = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    return F.cross_entropy(flat.float(), labels, reduction="sum") / flat.shape[0]
 
 
 def with_chunked_loss(trace: Trace, chunks: int) -> Trace:
