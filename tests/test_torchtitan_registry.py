@@ -1231,3 +1231,13 @@ def test_a_chunk_count_torchtitan_refuses_is_one_error(tmp_path, chunks, says):
     note beside a whole-sequence loss (a new user's trial: 0, None and '4' were notes)."""
     _refused(tmp_path, REGISTRY_HEAD + f"        loss=ChunkedLossWrapper.Config({chunks}),\n    )\n",
              r"^torchtitan job '.*:job': .*" + re.escape(says))
+
+
+def test_chunks_given_to_a_job_with_a_whole_loss_contradict_it(capsys):
+    """A job that names its whole-sequence loss (llama3_debugmodel_ce_loss: CrossEntropyLoss) is not run in chunks
+    because the command line asks: one error, as for a chunk count the job's own contradicts (a new user's
+    trial: it planned 8 chunks without a word)."""
+    spec = job("llama3_debugmodel_ce_loss")
+    assert read_config(TORCHTITAN, spec).loss_whole
+    assert main(["simulate", "--from-torchtitan", spec, "--cluster", "h100:8", "--loss-chunks", "8"]) == 2
+    assert "--loss-chunks 8 contradicts torchtitan config" in capsys.readouterr().err

@@ -123,6 +123,7 @@ class JobConfig:
     notes: list[str] = field(default_factory=list)  # what is left out, one line each
     loss_chunks: int | None = None  # a registry job's ChunkedLossWrapper chunks (--loss-chunks; 0: none read, simulated
     # whole)
+    loss_whole: bool = False  # a registry job names a whole-sequence loss (CrossEntropyLoss, or one chunk)
 
     @property
     def registry(self) -> bool:
@@ -162,8 +163,9 @@ def read_config(kind: str, path: str, flags: Sequence[str] = ()) -> JobConfig:
     or a registry job (``FILE.py:FUNCTION``, ``configs/torchtitan_registry.py``), ``flags`` its dotted overrides."""
     if kind == TORCHTITAN and is_registry_spec(path):
         data, notes = read_registry(path, parse_flags(flags))
+        loss = data.pop(LOSS_TABLE, {})
         cfg = JobConfig(kind, path, notes=notes, plan=data.pop(PLAN_TABLE, {}).get("plan"),
-                        loss_chunks=data.pop(LOSS_TABLE, {}).get("chunks"))
+                        loss_chunks=loss.get("chunks"), loss_whole=loss.get("whole", False))
         _titan(cfg, data)
         if cfg.batch is None and cfg.seq is None:
             cfg.default_workload = default_tokens()

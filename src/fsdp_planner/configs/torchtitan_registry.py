@@ -691,8 +691,9 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
         elif key == "optimizer":
             data[key] = _optimizer(value, label, notes)
         elif key == "loss":
-            if (chunks := _loss(value, notes, label)) is not None:
-                data[LOSS_TABLE] = {"chunks": chunks}
+            chunks = _loss(value, notes, label)
+            # (a whole-sequence loss the job names: --loss-chunks would contradict it)
+            data[LOSS_TABLE] = {"chunks": chunks} if chunks is not None else {"whole": _whole(value)}
         elif key in READ:
             data[key] = _section(key, value, label, notes)
         else:
@@ -724,6 +725,12 @@ def _loss(value: Any, notes: list[str], label: str) -> int | None:
     notes.append(f"loss = {shown_json(shown)[1:-1]} is simulated as torchtitan's CrossEntropyLoss over the whole "
                  "sequence")
     return None
+
+
+def _whole(value: Any) -> bool:
+    """Whether ``loss=`` names torchtitan's whole-sequence cross-entropy (or a wrapper of one chunk)."""
+    return isinstance(value, Call) and (value.kind == "CrossEntropyLoss" or (
+        value.kind == "ChunkedLossWrapper" and value.fields.get("num_chunks") == 1))
 
 
 def _chunks(value: Call, notes: list[str], label: str) -> int | None:
