@@ -417,6 +417,17 @@ def _compiled(m: _Merge) -> None:
             m.agrees(key, False, cfg.key(key), default=False)
 
 
+def _loss_chunks(m: _Merge) -> None:
+    """The job's loss in its ChunkedLossWrapper chunks; a job naming a whole-sequence loss contradicts chunks."""
+    cfg = m.cfg
+    if cfg.loss_chunks:  # (0: not a literal, simulated whole with a note saying so)
+        m.given("loss_chunks", cfg.loss_chunks, "loss = ChunkedLossWrapper.Config(num_chunks=...)")
+    elif cfg.loss_whole and m.values["loss_chunks"] is not None:
+        raise PlannerError(f"--loss-chunks {m.values['loss_chunks']} contradicts torchtitan config '{cfg.path}', "
+                           "whose loss runs over the whole sequence at once (loss = CrossEntropyLoss, or a "
+                           "ChunkedLossWrapper of one chunk): drop one of them")
+
+
 def _policy(m: _Merge, command: str, plan_file: bool) -> None:
     cfg, policy = m.cfg, m.values["policy"]
     if plan_file:
@@ -446,12 +457,7 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
     elif cfg.ac is ACMode.NONE:
         m.agrees("ac", ACMode.NONE.value, cfg.key("ac"))
     _compiled(m)
-    if cfg.loss_chunks:  # (0: not a literal, simulated whole with a note saying so)
-        m.given("loss_chunks", cfg.loss_chunks, "loss = ChunkedLossWrapper.Config(num_chunks=...)")
-    elif cfg.loss_whole and m.values["loss_chunks"] is not None:
-        raise PlannerError(f"--loss-chunks {m.values['loss_chunks']} contradicts torchtitan config '{cfg.path}', "
-                           "whose loss runs over the whole sequence at once (loss = CrossEntropyLoss, or a "
-                           "ChunkedLossWrapper of one chunk): drop one of them")
+    _loss_chunks(m)
     if cfg.float8:
         m.given("float8", cfg.float8, "the float8 converter's recipe_name")
         if cfg.float8 == "tensorwise":  # (rowwise gathers bf16 whatever the key says: nothing to give)
