@@ -410,17 +410,15 @@ class GroupReplay:
 
 
 class ChunkedLoop(NamedTuple):
-    """Where a chunked loss runs (``trace/chunked_loss.py``): the group hooking the output layer, the positions of
-    its first forward event and last backward event (the chunks' start and end), the root's post-forward (run at
-    the start: the model's forward skips the output layer) and the root's pre-backward inside the output layer's
-    backward (run at the end: the model's backward starts from the hidden states' gradient), or None."""
+    """Where a chunked loss runs (``trace/chunked_loss.py``): the group hooking the output layer, the chunks' span
+    and the layer's params (``grads``), the root's post-forward (run at the start: the model's forward skips the
+    output layer) and the root's pre-backward (run at the end: the model's backward starts from the hidden states'
+    gradient), or None."""
 
     group: GroupReplay
-    start: int
-    end: int
+    grads: ChunkedGrads
     root_post: int
     root_pre: int | None
-    params: frozenset[int]  # the params the output layer reads
 
 
 def _resolve_reshard(value: ReshardAfterForward, shard_size: int | None) -> ReshardAfterForward:
@@ -501,10 +499,10 @@ class Replay:
         for at in sorted({*self.hooked, *self.recomputed}):  # a checkpointed module need not be a group's
             if at in moved:
                 continue
-            if loop is not None and at == loop.start:
+            if loop is not None and at == loop.grads.start:
                 self._chunks_begin(at, loop)
             self._event(at, events[at])
-            if loop is not None and at == loop.end:
+            if loop is not None and at == loop.grads.end:
                 self._chunk_callbacks(at, loop)
                 self._chunks_end(at + 1, loop)  # (after the last chunk's post-backward, before the model's backward)
         end = len(events)
@@ -553,14 +551,14 @@ class Replay:
         root_pre = next((i for i in range(head.forward.stop, head.backward.stop) if i in hooked
                          and events[i].kind is EventKind.BWD_PRE and events[i].module == ROOT), None)
         own = head.module in self.group_of and root_post is not None
-        self.shared.schedule.chunked = ChunkedGrads(head.forward.start, head.backward.start, head.backward.stop - 1,
-                                                    head.params, own, head.weight_grad)
+        grads = ChunkedGrads(head.forward.start, head.backward.start, head.backward.stop - 1, head.params, own,
+                             head.weight_grad)
+        self.shared.schedule.chunked = grads
         if not own:
             return None
         for member in self.group_of[head.module].members:  # as the wrapper left it after the step before
             member.reshard_after_forward = True
-        return ChunkedLoop(self.group_of[head.module], head.forward.start, head.backward.stop - 1, root_post,
-                           root_pre, frozenset(head.params))
+        return ChunkedLoop(self.group_of[head.module], grads, root_post, root_pre)
 
     def _chunks_begin(self, at: int, loop: ChunkedLoop) -> None:
         """The model's forward ends without the output layer (the root's post-forward runs here); then
@@ -572,7 +570,7 @@ class Replay:
             member.unshard(at, backward=False)
             member.wait_for_unshard(at)
             member.reshard_after_forward, member.kept_after_backward = False, True
-            member.chunked = loop.params
+            member.chunked = frozenset(loop.grads.params)
 
     def _chunk_callbacks(self, at: int, loop: ChunkedLoop) -> None:
         """Where the output layer's state ran its pre-backward in the chunks (its group completes its forward in
@@ -598,7 +596,7 @@ class Replay:
             for member in reversed(state.members):
                 # (the output layer's group ran its own post-backward in each chunk, which the replay's one pass
                 # of the layer's backward stands for)
-                if member.training_state is not TrainingState.POST_BACKWARD and member.chunked == frozenset():
+                if member.training_state is not TrainingState.POST_BACKWARD and not member.chunked:
                     member.post_backward(at)
                 member.training_state, member.state_in_backward = TrainingState.IDLE, False
                 member.modules_to_run.clear()

@@ -17,10 +17,9 @@ the gradients its backward reads and makes) is one chunk's share, and beside it,
 fp32 buffer of the hidden states' gradient. FSDP2's part (the layer's group kept gathered, its gradient accumulated
 in the reduce dtype and reduced at the last chunk, the root's final callback after each chunk where the layer's
 state registered a pre-backward hook) is the plan's: ``fsdp2/replay.py`` and ``sim/memory.py`` take it from
-``Trace.loss_chunks``. After
-the chunks the buffer is cast to the hidden states' dtype, the gradient the model's backward reads as the whole
-step's did. FLOPs and bytes moved are the same summed over the chunks;
-each of the output layer's matmuls runs on a chunk's tokens (``Event.kernel``: its smallest dim at most that).
+``Trace.loss_chunks``. After the chunks the buffer is cast to the hidden states' dtype, the gradient the model's
+backward reads as the whole step's did. FLOPs and bytes moved are the same summed over the chunks; each of the
+output layer's matmuls runs on a chunk's tokens (``Event.kernel``: its smallest dim at most that).
 """
 
 from __future__ import annotations
@@ -41,15 +40,15 @@ from fsdp_planner.trace.tree import ROOT
 @dataclasses.dataclass(frozen=True)
 class OutputLayer:
     """Where the output layer's last call runs in the step: its forward (FWD_PRE to FWD_POST) and backward
-    (BWD_PRE to BWD_POST) positions, the numel of its input (the hidden states), the params it reads (indices into
-    ``Trace.params``, a tied embedding's weight among them) and their numel."""
+    (BWD_PRE to BWD_POST) positions, the loss's first op, the numel of its input (the hidden states) and the params
+    it reads (indices into ``Trace.params``, a tied embedding's weight among them)."""
 
     module: str
     forward: range
     backward: range
+    loss_start: int
     hidden_numel: int
     params: tuple[int, ...]
-    params_numel: int
     weight_grad: int  # the position of its backward's matmul making its weight's grad (reading no param), or -1
 
 
@@ -86,9 +85,8 @@ def _output_layer(trace: Trace) -> OutputLayer | None:
     params = tuple(sorted({p for i in range(pre, post) for p in events[i].params}))
     weight_grad = max((i for i in range(bwd[0], bwd[-1]) if events[i].kind is EventKind.OP and events[i].kernel > 0
                        and not events[i].params and events[i].module == module), default=-1)
-    return OutputLayer(module, range(pre, post + 1), range(bwd[0], bwd[-1] + 1),
-                       events[pre].kept_inputs // itemsize, params, sum(trace.params[p].numel for p in params),
-                       weight_grad)
+    return OutputLayer(module, range(pre, post + 1), range(bwd[0], bwd[-1] + 1), start,
+                       events[pre].kept_inputs // itemsize, params, weight_grad)
 
 
 def unchunkable(trace: Trace, head: OutputLayer) -> str | None:
@@ -102,9 +100,7 @@ def unchunkable(trace: Trace, head: OutputLayer) -> str | None:
     calls = sum(1 for e in events if e.kind is EventKind.FWD_PRE and e.module == head.module)
     if calls > 1:
         return f"the model calls its output layer '{head.module}' {calls} times a step"
-    start = next(i for i, (e, inside) in enumerate(zip(events, trace.index.loss_region, strict=True))
-                 if inside and not e.backward)
-    after = sum(1 for e in events[head.forward.stop:start] if e.kind is EventKind.OP)
+    after = sum(1 for e in events[head.forward.stop:head.loss_start] if e.kind is EventKind.OP)
     if after:
         return (f"the model transforms the output of '{head.module}' before returning it ({fmt_count(after, 'op')} "
                 "in its forward after it: a soft-cap, a scale, a log-softmax or another output layer), which the "
