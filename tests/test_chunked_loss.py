@@ -65,6 +65,19 @@ def test_the_prediction_is_real_fsdp2_running_the_chunks(args):
 
 
 @pytest.mark.integration
+def test_sequence_parallel_hidden_states_are_gathered_once_for_every_chunk():
+    """torchtitan's TP layout with sequence parallelism: the hidden states all-gathered once before the chunks and
+    their grad reduce-scattered once after (not once a chunk), each chunk's input grad left partial (no all-reduce
+    a chunk); loss parallel's temporaries a chunk's. Measured here: -1.7%, as the layout without TP."""
+    whole = _verified("toy-llama", "--policy", "titan", "--tp", "2", "--seq", "128")
+    chunked = _verified("toy-llama", "--policy", "titan", "--tp", "2", "--seq", "128", "--loss-chunks", "4")
+    assert chunked["counts_and_bytes_exact"], chunked
+    assert abs(chunked["peak_error"]) < 0.03, chunked
+    tp = {k: chunked["measured"][k] - whole["measured"][k] for k in ("tp_all_gathers", "tp_reduce_scatters")}
+    assert tp == {"tp_all_gathers": 0, "tp_reduce_scatters": 0}, tp
+
+
+@pytest.mark.integration
 def test_chunks_hold_less_than_the_whole_loss():
     """The same job with its loss whole and in 4 and 8 chunks: real FSDP2's peak falls with the chunks, and the
     prediction with it."""
@@ -192,7 +205,8 @@ def test_a_model_that_transforms_its_logits_is_refused(tmp_path):
 
 def test_plans_and_exports_carry_the_chunks(tmp_path):
     """The plan file records the chunks (and refuses a count it cannot run); simulate of it without them says
-    so; the torchtitan export sets ChunkedLossWrapper's num_chunks, the Python export its constant."""
+    so, and its JSON which it simulated; the torchtitan export sets ChunkedLossWrapper's num_chunks, the Python
+    export its constant."""
     out = tmp_path / "plan.json"
     r = run_main("plan", "toy-llama", "--cluster", "h100:8", "--policy", "titan", "--loss-chunks", "4",
                  "--out", str(out))
@@ -200,6 +214,9 @@ def test_plans_and_exports_carry_the_chunks(tmp_path):
     assert json.loads(out.read_text())["loss_chunks"] == 4
     r = run_main("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8")
     assert "the plan runs the loss in 4 chunks and this command traced it whole: add --loss-chunks 4" in r.stderr
+    runs = [json.loads(run_main("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8", "--json",
+                                *flags).stdout)["loss_chunks"] for flags in ((), ("--loss-chunks", "4"))]
+    assert runs == [0, 4]
     data = json.loads(out.read_text())
     data["loss_chunks"] = 1
     bad = tmp_path / "bad.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,20 @@ def test_cost_simulate_memory_calibrate_commands(tmp_path):
     assert r.returncode == 0, r.stderr
     r = run_main("cost", "all-gather", "1GiB", "--cluster", str(out), "--json")
     assert r.returncode == 0, r.stderr
+
+
+def test_memory_s_hint_plans_the_same_job():
+    """The plan command ``memory`` suggests for its FSDP row repeats the model's, workload's and precision options
+    given (a new user's trial: it named the model alone), and runs."""
+    job = ("--seq", "64", "--loss-chunks", "4", "--precision", "fp32", "--optimizer", "sgd-momentum")
+    r = run_main("memory", "toy-llama", "--world-size", "8", *job)
+    hint = re.search(r"\): plan (.+) for this FSDP row's plan", " ".join(r.stdout.split()))
+    assert hint is not None, r.stdout
+    args = shlex.split(hint.group(1))
+    assert args[:5] == ["toy-llama", "--policy", "module", "--cluster", "h100:8"] and set(job) <= set(args), args
+    r = run_main("plan", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["plans"][0]["plan"]["loss_chunks"] == 4
 
 
 @pytest.mark.parametrize(

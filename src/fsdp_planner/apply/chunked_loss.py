@@ -34,19 +34,18 @@ def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: 
     if hidden is None:
         raise PlannerError(f"--loss-chunks: without '{head}' the model returns no hidden states (a tensor of "
                            "tokens x width) to run it on in chunks")
-    if _sequence_sharded(hidden):
-        raise PlannerError(f"--loss-chunks: the hidden states '{head}' reads are sharded over the sequence (a "
-                           "sequence-parallel TP layout), which these ranks' chunks of whole tensors cannot split "
-                           "(torchtitan gathers them at its norm first): check the chunks without sequence "
-                           "parallelism, or this layout without --loss-chunks")
+    del output  # (what else the model returned; and a sequence shard, torchtitan's norm's own temporary)
+    hidden = _replicated(hidden)
     flat = hidden.reshape(-1, hidden.shape[-1])
     tokens = flat.shape[0]
     if tokens % chunks:
         raise PlannerError(f"--loss-chunks {chunks}: {tokens:,} tokens do not split into that many equal chunks")
     size = tokens // chunks
     labels = torch.zeros(tokens, dtype=torch.long, device=flat.device)
-    buffer = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-    total = torch.zeros((), dtype=torch.float32, device=flat.device)
+    local = _local(flat)
+    buffer = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+    total = torch.zeros((), dtype=torch.float32, device=local.device)
+    placements = None
     from torch.distributed.fsdp import FSDPModule  # (here: planning imports this module's loss, not FSDP)
 
     with _unsharded_through(layer):
@@ -56,20 +55,42 @@ def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: 
             piece.requires_grad_(True)
             loss = F.cross_entropy(layer(piece).float(), labels[i * size:(i + 1) * size], reduction="sum") / tokens
             loss.backward()
-            buffer[i * size:(i + 1) * size] = piece.grad
-            total = total + loss.detach()
+            placements = getattr(piece.grad, "placements", None)
+            buffer[i * size:(i + 1) * size] = _local(piece.grad)
+            total = total + _local(loss.detach())
             del piece, loss
-    grad = buffer.to(flat.dtype)
+    grad = _like(flat, buffer.to(local.dtype), placements)
     del buffer
     flat.backward(grad)
     return total
 
 
-def _sequence_sharded(t: torch.Tensor) -> bool:
-    """A DTensor sharded on any dim (a sequence-parallel norm's output)."""
-    from torch.distributed.tensor import DTensor, Shard
+def _replicated(hidden: torch.Tensor) -> torch.Tensor:
+    """The hidden states whole on every TP rank: a sequence-parallel norm's output (a DTensor sharded on the
+    sequence) all-gathered once before the chunks, as torchtitan's norm before its output layer emits them
+    (``Replicate()`` on the TP dim); its gradient, partial over TP, is reduce-scattered once by the backward."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+    if isinstance(hidden, DTensor) and any(isinstance(p, Shard) for p in hidden.placements):
+        return hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+    return hidden
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (a chunk's grad, its loss), a plain tensor itself: the buffer holds this rank's."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(flat: torch.Tensor, grad: torch.Tensor, placements: Any) -> torch.Tensor:
+    """The buffer as the gradient of ``flat``: a DTensor on its mesh with the chunks' grads' placements (partial
+    under loss parallel) where the hidden states are one, as torchtitan's ``GradAccumulator`` returns it."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(flat, DTensor):
+        return grad
+    return DTensor.from_local(grad, flat.device_mesh, placements or flat.placements, run_check=False)
 
 
 @contextlib.contextmanager

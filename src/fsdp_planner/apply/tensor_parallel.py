@@ -42,12 +42,15 @@ def positional_inputs(module: nn.Module) -> int:
     return max(1, sum(p.kind in positional and p.default is inspect.Parameter.empty for p in params))
 
 
-def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module, float8: bool = False) -> Any:
+def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module, float8: bool = False,
+                whole_input: bool = False) -> Any:
     """The ``torch.distributed.tensor.parallel`` style ``style`` stands for (its comment in
     ``fsdp2/tensor_parallel.py``). ``SEQUENCE_COLWISE`` (the output head) keeps its vocab-sharded logits as a
-    DTensor under loss parallel, for the loss to run on them; ``GATHER_INPUT`` redistributes the first positional
-    input only, every other input (positional or keyword) passing through as it came. ``float8``: torchao's
-    float8 style of the same layout (``float8_styles``)."""
+    DTensor under loss parallel, for the loss to run on them; with ``whole_input`` (a chunked loss: the hidden
+    states gathered once before the chunks, ``apply/chunked_loss.py``) it takes its input replicated, as
+    torchtitan's output layer does, so no chunk's grad is all-reduced on its way out; ``GATHER_INPUT``
+    redistributes the first positional input only, every other input (positional or keyword) passing through as it
+    came. ``float8``: torchao's float8 style of the same layout (``float8_styles``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
@@ -64,7 +67,8 @@ def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module, float8: 
     if style is TPStyle.ROWWISE_SEQUENCE:
         return RowwiseParallel(output_layouts=Shard(1))
     if style is TPStyle.SEQUENCE_COLWISE:
-        return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        return ColwiseParallel(input_layouts=Replicate() if whole_input else Shard(1),
+                               output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                use_local_output=not loss_parallel)
     if style is TPStyle.EMBEDDING:
         return RowwiseParallel(input_layouts=Replicate())
@@ -105,13 +109,15 @@ def float8_modules(modules: dict[str, nn.Module], styles: dict[str, TPStyle]) ->
     return float8_styled(styles, (n for n, m in modules.items() if isinstance(m, linear)))
 
 
-def torch_plan(model: nn.Module, tp: TensorParallel, float8: bool = False) -> dict[str, Any]:
+def torch_plan(model: nn.Module, tp: TensorParallel, float8: bool = False, chunked_loss: bool = False
+               ) -> dict[str, Any]:
     """``parallelize_module``'s plan: each module the layout matches (by canonical name) -> its torch style;
-    with ``float8``, torchao's float8 styles where they apply (``float8_modules``)."""
+    with ``float8``, torchao's float8 styles where they apply (``float8_modules``); with ``chunked_loss``, the
+    output head's input whole (``torch_style``)."""
     modules = dict(model.named_modules())
     styles = tp.styles(modules)
     f8 = float8_modules(modules, styles) if float8 else set()
-    return {name: torch_style(style, tp.loss_parallel, modules[name], name in f8)
+    return {name: torch_style(style, tp.loss_parallel, modules[name], name in f8, chunked_loss)
             for name, style in styles.items() if style not in OWN_STYLES}
 
 
@@ -275,17 +281,18 @@ def _check_rope_keys(model: nn.Module, tp: TensorParallel) -> None:
 
 
 def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel: bool = False,
-             float8: bool = False) -> None:
+             float8: bool = False, chunked_loss: bool = False) -> None:
     """``parallelize_module`` over ``tp_mesh`` (1-D, the TP degree ranks): params become DTensors sharded over it.
     A layout that splits the experts' tokens needs ``expert_parallel`` (EP's dispatch splits them); ``float8``:
-    the float8 Linears' activations all-gathered in float8 (torchao's styles, ``torch_plan``)."""
+    the float8 Linears' activations all-gathered in float8 (torchao's styles, ``torch_plan``); ``chunked_loss``:
+    the plan's loss in chunks (the output head's input whole)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if tp_mesh.size() != tp.degree:
         raise PlannerError(f"the plan's TP degree is {tp.degree} but the mesh's 'tp' dim has {tp_mesh.size()} ranks")
     check_moe_styles(tp, dict(model.named_modules()), expert_parallel)
     _check_rope_keys(model, tp)
-    parallelize_module(model, tp_mesh, torch_plan(model, tp, float8))
+    parallelize_module(model, tp_mesh, torch_plan(model, tp, float8, chunked_loss))
     apply_own_styles(model, tp, tp_mesh)
 
 

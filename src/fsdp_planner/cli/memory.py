@@ -7,11 +7,13 @@ command says so under its table."""
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace
+from fsdp_planner.cli.options import job_flags
 from fsdp_planner.cli.requests import model_spec, named_cluster
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, fmt_bytes, json_text
@@ -39,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         render.plain(f"allocated peaks without activation checkpointing (FSDP: one group per module owning params)"
                      f"{f'; one {cluster.gpu.name} holds {fmt_bytes(cluster.gpu.memory_bytes)}' if cluster else ''}. "
                      "plan simulates a plan and prints its allocated peak and what the allocator reserves beyond it "
-                     f"(the figure auto holds to its budget): plan {escape(args.model)} --policy module --cluster "
-                     f"{escape(where if cluster else f'h100:{args.world_size}')} for this FSDP row's plan")
+                     f"(the figure auto holds to its budget): plan {escape(shlex.quote(args.model))} --policy module "
+                     f"--cluster {escape(where if cluster else f'h100:{args.world_size}')}"
+                     f"{escape(''.join(f' {f}' for f in job_flags(args)))} for this FSDP row's plan")
     return 0

@@ -4,6 +4,7 @@ come from ``choices.py``. Imports nothing heavy: the parser is built without tor
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections.abc import Callable
 
 from fsdp_planner.choices import (
@@ -182,6 +183,29 @@ def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:
     sp.add_argument("--full-trace", action="store_true",
                     help="trace every module call (slower); by default identical calls of a repeated block are "
                          "traced once, which assumes its forward depends only on its own state and arguments")
+
+
+# ``add_model``'s and ``add_precision_options``' options a hint naming the same job repeats: valued, switches
+_JOB_VALUES = (("batch", "--batch"), ("seq", "--seq"), ("attention", "--attention"), ("loss_chunks", "--loss-chunks"),
+               ("routing", "--routing"), ("fp32_modules", "--fp32-modules"), ("optimizer", "--optimizer"))
+_JOB_SWITCHES = (("compile", "--compile"), ("compile_loss", "--compile-loss"), ("full_trace", "--full-trace"))
+
+
+def job_flags(args: argparse.Namespace) -> list[str]:
+    """The model's, workload's and precision options given (not at their defaults), shell-quoted: what a command
+    the output suggests needs to run the same job."""
+    flags: list[str] = []
+    for dest, flag in _JOB_VALUES:
+        if getattr(args, dest, None) is not None:
+            flags += [flag, str(getattr(args, dest))]
+    flags += [flag for dest, flag in _JOB_SWITCHES if getattr(args, dest, False)]
+    for kv in getattr(args, "hf_config", None) or ():
+        flags += ["--hf-config", kv]
+    if getattr(args, "precision", DEFAULT_PRECISION) != DEFAULT_PRECISION:
+        flags += ["--precision", args.precision]
+    if getattr(args, "zero_grad", ZeroGrad.NONE.value) != ZeroGrad.NONE.value:
+        flags += ["--zero-grad", args.zero_grad]
+    return [shlex.quote(f) for f in flags]
 
 
 def add_micro_batches(sp: argparse.ArgumentParser) -> None:

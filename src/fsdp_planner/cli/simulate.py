@@ -91,7 +91,8 @@ def _run(args: argparse.Namespace) -> int:
         _draw(views, png, page, f"{short_label(model_spec(args).label())} on {cluster.name}")
         reports = [(v.label, v.report) for v in views]
     verdict = _verdict(args, config is not None, tr, plans[0][1], reports[0][1], cluster, options, budget)
-    _show(args, reports, plans, verdict, cluster, options, budget, tp_note, tr.compiled_loss is not None)
+    _show(args, reports, plans, verdict, cluster, options, budget, tp_note, tr.compiled_loss is not None,
+          tr.loss_chunks)
     for path in filter(None, (png, page)) if not args.json else ():  # (the JSON document stays alone on stdout)
         render.plain(f"timeline written to {path}")
     return 0
@@ -106,15 +107,17 @@ def _tp_note(args: argparse.Namespace) -> str | None:
 
 def _show(args: argparse.Namespace, reports: list[tuple[str, StepReport]], plans: list[tuple[str, Plan]],
           verdict: str | None, cluster: Cluster, options: SimOptions, budget: MemoryBudget,
-          tp_note: str | None = None, loss_compiled: bool = False) -> None:
+          tp_note: str | None = None, loss_compiled: bool = False, loss_chunks: int = 0) -> None:
     """The steps' figures: one JSON document, or the verdict first, then each step's lines and memory table;
     ``tp_note``: said first; ``loss_compiled``: the step's loss is compiled (a model computing its loss in its
-    forward has none to compile, whatever ``--compile-loss`` said)."""
+    forward has none to compile, whatever ``--compile-loss`` said); ``loss_chunks``: the chunks the trace ran its
+    loss in (0: whole; a model without an output layer to chunk runs it whole whatever ``--loss-chunks`` said)."""
     if tp_note is not None:
         render.note(tp_note)
     if args.json:
         summaries = [{**r.summary(), "budget": budget.to_dict(r.reserved_memory),
                       "micro_batches": options.micro_batches, "gradient_sync": options.gradient_sync.value,
+                      "loss_chunks": loss_chunks,
                       **({"checkpoint_early_stop": with_early_stop(p, options).checkpoint_early_stop}
                          if p.checkpoints else {})}
                      for (_, r), (_, p) in zip(reports, plans, strict=True)]

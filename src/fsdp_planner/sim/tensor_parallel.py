@@ -557,7 +557,7 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
                 e = _packed_op(e, packed[i], t)
             if loss[i] and lay.tp.loss_parallel and trace.compiled_loss is None:  # (a compiled loss's graphs
                 # run in the handlers' place: its live bytes are its kernels' already)
-                e = e._replace(live=e.live + _handler_extra(e))
+                e = e._replace(live=e.live + _handler_extra(e) // (trace.loss_chunks or 1))  # (a chunk's)
             if loss[i] and not e.backward and loss_ars:
                 after, loss_ars = loss_ars, []
         elif e.kind is EventKind.FWD_PRE:
@@ -895,18 +895,36 @@ def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: 
     nbytes = dict.fromkeys(KIND_OF.values(), 0)
     positions = tp_positions(trace) if positions is None else positions
     runs = collective_runs(positions, recomputed)
-    head = output_layer(trace) if trace.loss_chunks else None
-    if head is not None:  # a chunked loss: the output layer's and the loss's run once a chunk, each on its share
-        lo, hi = np.searchsorted(positions, (head.forward.start, head.backward.stop))
-        runs[lo:hi] *= trace.loss_chunks
-    for p, n in zip(positions.tolist(), runs.tolist(), strict=True):
+    chunked = per_chunk(trace, positions)
+    runs[chunked] *= trace.loss_chunks or 1
+    for p, n, c in zip(positions.tolist(), runs.tolist(), chunked.tolist(), strict=True):
         e = trace.events[p]
         kind = KIND_OF[e.kernel]
         counts[kind] += n
         at = grad_scale if grad_scale is not None and e.kernel == KERNEL_TP_GRAD_ALL_REDUCE else scale
-        nbytes[kind] += n * int(e.nbytes * at) // (trace.loss_chunks if head is not None and
-                                                   head.forward.start <= p < head.backward.stop else 1)
+        nbytes[kind] += n * int(e.nbytes * at) // (trace.loss_chunks if c else 1)
     return TPCollectives(counts, nbytes)
+
+
+def per_chunk(trace: Trace, positions: np.ndarray) -> np.ndarray:
+    """Which of the TP collectives at ``positions`` (sorted) a chunked loss runs once a chunk, on its share: those of
+    the output layer and the loss, but for the layer's input all-gathered from its sequence shard and its grad
+    reduce-scattered back (``SEQUENCE_COLWISE``), which run once on the whole hidden states, as torchtitan's norm
+    before the layer emits them replicated (``apply/chunked_loss.py``). All False without chunks."""
+    chunked = np.zeros(len(positions), dtype=bool)
+    head = output_layer(trace) if trace.loss_chunks else None
+    if head is None:
+        return chunked
+    lo, hi = np.searchsorted(positions, (head.forward.start, head.backward.stop))
+    chunked[lo:hi] = True
+    events = trace.events
+    matmul = next(i for i in head.forward if events[i].is_op and events[i].params)  # (the gather is before it)
+    for j in range(lo, hi):
+        e = events[positions[j]]
+        if e.module == head.module and ((e.kernel == KERNEL_TP_ALL_GATHER and positions[j] < matmul)
+                                        or (e.kernel == KERNEL_TP_REDUCE_SCATTER and e.backward)):
+            chunked[j] = False
+    return chunked
 
 
 def collective_runs(positions: np.ndarray, recomputed: Sequence[CheckpointedCall]) -> np.ndarray:
