@@ -50,6 +50,11 @@ ROWS = (
                                                            "--ep", "4", "--loss-chunks", "4"]),
     ("torchtitan's deepseek_v3 debugmodel, 8 chunks", ["hf:titan-deepseek-v3-debugmodel", "--policy", "titan",
                                                        "--loss-chunks", "8"]),
+    ("toy-llama (batch 4 x 128), titan, TP 2 with SP, whole loss", ["toy-llama", "--seq", "128", "--policy", "titan",
+                                                                    "--tp", "2"]),
+    ("the same, 4 chunks (the hidden states gathered once)", ["toy-llama", "--seq", "128", "--policy", "titan",
+                                                              "--tp", "2", "--loss-chunks", "4"]),
+    ("the same, 16 chunks", ["toy-llama", "--seq", "128", "--policy", "titan", "--tp", "2", "--loss-chunks", "16"]),
     ("toy-gpt2-tied (1.7 MiB), auto, 2 chunks", ["toy-gpt2-tied", "--policy", "auto", "--loss-chunks", "2"]),
     ("toy-gpt2-tied, batch 8, auto, 4 chunks", ["toy-gpt2-tied", "--batch", "8", "--policy", "auto",
                                                 "--loss-chunks", "4"]),
@@ -73,8 +78,13 @@ def row(label: str, args: list[str]) -> str:
     p, m = result["predicted"], result["measured"]
     exact = "exact" if result["counts_and_bytes_exact"] else "**differ**"
     counts = f"{m['all_gathers']} AG, {m['reduce_scatters']} RS"
-    return (f"| {label} | {counts}: {exact} | {p['peak_memory'] / MIB:,.1f} | {m['peak_memory'] / MIB:,.1f} | "
+    return (f"| {label} | {counts}: {exact} | {_mib(p['peak_memory'])} | {_mib(m['peak_memory'])} | "
             f"{result['peak_error']:+.1%} | {cpu:.0f} |")
+
+
+def _mib(nbytes: int) -> str:
+    """MiB to one decimal, two below 10 MiB (the toy models')."""
+    return f"{nbytes / MIB:,.{2 if nbytes < 10 * MIB else 1}f}"
 
 
 def main() -> None:
