@@ -68,11 +68,11 @@ def test_the_prediction_is_real_fsdp2_running_the_chunks(args):
 def test_sequence_parallel_hidden_states_are_gathered_once_for_every_chunk():
     """torchtitan's TP layout with sequence parallelism: the hidden states all-gathered once before the chunks and
     their grad reduce-scattered once after (not once a chunk), each chunk's input grad left partial (no all-reduce
-    a chunk); loss parallel's temporaries a chunk's. Measured here: -1.7%, as the layout without TP."""
+    a chunk); loss parallel's temporaries a chunk's. Measured here: -0.4%."""
     whole = _verified("toy-llama", "--policy", "titan", "--tp", "2", "--seq", "128")
     chunked = _verified("toy-llama", "--policy", "titan", "--tp", "2", "--seq", "128", "--loss-chunks", "4")
     assert chunked["counts_and_bytes_exact"], chunked
-    assert abs(chunked["peak_error"]) < 0.03, chunked
+    assert abs(chunked["peak_error"]) < 0.02, chunked
     tp = {k: chunked["measured"][k] - whole["measured"][k] for k in ("tp_all_gathers", "tp_reduce_scatters")}
     assert tp == {"tp_all_gathers": 0, "tp_reduce_scatters": 0}, tp
 

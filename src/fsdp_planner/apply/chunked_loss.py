@@ -58,11 +58,31 @@ def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: 
             placements = getattr(piece.grad, "placements", None)
             buffer[i * size:(i + 1) * size] = _local(piece.grad)
             total = total + _local(loss.detach())
+            piece.grad = None  # (the split's tuple holds every chunk through the loop: not their grads)
             del piece, loss
     grad = _like(flat, buffer.to(local.dtype), placements)
-    del buffer
-    flat.backward(grad)
+    step_loss = _ModelBackward.apply(flat, grad, total)
+    # nothing but the autograd graph holds the hidden states and their gradient through the model's backward
+    # (torchtitan's trainer deletes its pred before loss.backward(); the wrapper's locals are gone by then)
+    del buffer, grad, flat, hidden, local, labels
+    step_loss.backward()
     return total
+
+
+class _ModelBackward(torch.autograd.Function):
+    """The step's loss as the hidden states' function whose backward hands them the chunks' gradient: the model's
+    backward runs from ``loss.backward()`` with that gradient held by this node alone (freed once the hidden
+    states' own backward has it), as torchtitan's wrapper bridges its chunks to the decoder's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (grad,) = ctx.saved_tensors
+        return grad, None, None
 
 
 def _replicated(hidden: torch.Tensor) -> torch.Tensor:

@@ -410,12 +410,12 @@ class GroupReplay:
 
 
 class ChunkedLoop(NamedTuple):
-    """Where a chunked loss runs (``trace/chunked_loss.py``): the group hooking the output layer, the chunks' span
-    and the layer's params (``grads``), the root's post-forward (run at the start: the model's forward skips the
-    output layer) and the root's pre-backward (run at the end: the model's backward starts from the hidden states'
-    gradient), or None."""
+    """Where a chunked loss runs (``trace/chunked_loss.py``): the group hooking the output layer (None where none
+    does: its params are another call's group's, the root's), the chunks' span and the layer's params (``grads``),
+    the root's post-forward (run at the start: the model's forward skips the output layer) and the root's
+    pre-backward (run at the end: the model's backward starts from the hidden states' gradient)."""
 
-    group: GroupReplay
+    group: GroupReplay | None
     grads: ChunkedGrads
     root_post: int
     root_pre: int | None
@@ -496,12 +496,15 @@ class Replay:
         self.hooked = self.hooked_events()
         loop = self._chunked_loop()
         moved = {loop.root_post, loop.root_pre} if loop is not None else set()
-        for at in sorted({*self.hooked, *self.recomputed}):  # a checkpointed module need not be a group's
+        # the chunks' span is visited where no group hooks the output layer too (the root's hooks move to it)
+        span = {loop.grads.start, loop.grads.end} - {*self.hooked, *self.recomputed} if loop is not None else set()
+        for at in sorted({*self.hooked, *self.recomputed, *span}):  # a checkpointed module need not be a group's
             if at in moved:
                 continue
             if loop is not None and at == loop.grads.start:
                 self._chunks_begin(at, loop)
-            self._event(at, events[at])
+            if at not in span:
+                self._event(at, events[at])
             if loop is not None and at == loop.grads.end:
                 self._chunk_callbacks(at, loop)
                 self._chunks_end(at + 1, loop)  # (after the last chunk's post-backward, before the model's backward)
@@ -554,8 +557,10 @@ class Replay:
         grads = ChunkedGrads(head.forward.start, head.backward.start, head.backward.stop - 1, head.params, own,
                              head.weight_grad)
         self.shared.schedule.chunked = grads
-        if not own:
+        if root_post is None:
             return None
+        if not own:  # the layer's params in a group hooking another module (the root's): the root's hooks move
+            return ChunkedLoop(None, grads, root_post, root_pre)
         for member in self.group_of[head.module].members:  # as the wrapper left it after the step before
             member.reshard_after_forward = True
         return ChunkedLoop(self.group_of[head.module], grads, root_post, root_pre)
@@ -565,8 +570,9 @@ class Replay:
         ``ChunkedLossWrapper``'s calls on it: kept unsharded through the chunks (gathered now if it was
         resharded), its grads synced at the last chunk only."""
         self._event(at, self.trace.events[loop.root_post])
-        group = loop.group
-        for member in group.members:
+        if loop.group is None:
+            return
+        for member in loop.group.members:
             member.unshard(at, backward=False)
             member.wait_for_unshard(at)
             member.reshard_after_forward, member.kept_after_backward = False, True
@@ -578,6 +584,8 @@ class Replay:
         after each chunk's backward: the explicit backward prefetches again each chunk and discarded each time, and
         every group the model's forward left unsharded resharded, its post-forward order forgotten (so the model's
         backward prefetches none by default) (``FSDPState._root_post_backward_final_callback``, torch 2.13)."""
+        if loop.group is None:  # (no hook of the layer's own: nothing runs in the chunks' backward)
+            return
         state = loop.group.state
         if not state.state_in_backward:
             return
@@ -610,7 +618,7 @@ class Replay:
         """After the last chunk: the wrapper resets the output layer's state to reshard after forward and after
         backward (its every later step reshards the group after forward, whatever the plan set) and reshards it;
         then the model's backward starts from the hidden states' gradient (the root's pre-backward, moved here)."""
-        for member in loop.group.members:
+        for member in loop.group.members if loop.group is not None else ():
             member.reshard_after_forward, member.kept_after_backward, member.chunked = True, False, frozenset()
             member.reshard(at)
         if loop.root_pre is not None:

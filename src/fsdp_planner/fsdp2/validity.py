@@ -97,12 +97,13 @@ def first_sharded_read(trace: Trace, plan: Plan, world_size: int | None = None) 
 
 
 def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> None:
-    """Refuse, with the first op that would fail and why, a plan that reads a sharded param."""
+    """Refuse, with the first op that would fail and why, a plan that reads a sharded param (a chunked loss's
+    output layer first: its sentence says what to change)."""
+    if (said := chunked_head_resharded(trace, plan)) is not None:
+        raise PlannerError(f"this plan cannot run: {said}")
     bad = first_sharded_read(trace, plan, world_size)
     if bad is not None:
         raise PlannerError(f"this plan cannot run: {bad.describe(plan)}")
-    if (said := chunked_head_resharded(trace, plan)) is not None:
-        raise PlannerError(f"this plan cannot run: {said}")
 
 
 def chunked_head_resharded(trace: Trace, plan: Plan) -> str | None:
