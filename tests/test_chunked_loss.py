@@ -156,6 +156,15 @@ def test_a_chunk_count_it_cannot_run_is_one_sentence(args, says):
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_model_computing_its_loss_in_its_forward_is_refused_as_such():
+    """A Hugging Face classifier given labels computes its cross-entropy after its output layer, inside its forward:
+    refused as that (a new user's trial: the sentence said it soft-capped or scaled its logits)."""
+    r = run_main("plan", "hf:vit-h14", "--hf-config", "num_hidden_layers=1", "--policy", "titan", "--loss-chunks",
+                 "8")
+    assert r.returncode == 2, r.stderr
+    assert "the model computes its loss in its own forward, after 'classifier'" in r.stderr
+
+
 def test_a_model_computing_its_logits_in_its_own_forward_is_refused(tmp_path):
     """A tied LM whose root computes ``F.linear(h, self.embed.weight)`` has no output layer the wrapper can leave
     out: every op was scaled as the head's, 15.7 -> 6.2 MiB (a reviewer's finding); refused."""
@@ -214,6 +223,8 @@ def test_plans_and_exports_carry_the_chunks(tmp_path):
     assert json.loads(out.read_text())["loss_chunks"] == 4
     r = run_main("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8")
     assert "the plan runs the loss in 4 chunks and this command traced it whole: add --loss-chunks 4" in r.stderr
+    r = run_main("check", "toy-llama", "--plan", str(out))  # (check says it too: a new user's trial)
+    assert "the plan runs the loss in 4 chunks and this command traced it whole" in r.stderr
     runs = [json.loads(run_main("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8", "--json",
                                 *flags).stdout)["loss_chunks"] for flags in ((), ("--loss-chunks", "4"))]
     assert runs == [0, 4]
@@ -234,9 +245,23 @@ def test_plans_and_exports_carry_the_chunks(tmp_path):
     assert "config.loss = ChunkedLossWrapper.Config(num_chunks=8)" in job.read_text()
 
 
+@pytest.mark.integration
+def test_a_torchrun_job_of_a_chunked_plan_says_it_trains_the_whole_loss(tmp_path):
+    """verify --nproc trains the model's own loss (parity with one process): a plan file's chunks are said once,
+    with the command that checks them, and not claimed in its banner (a new user's trial: "loss in 4 chunks", and
+    advice to add --loss-chunks, which --nproc refuses)."""
+    out = tmp_path / "plan.json"
+    assert run_main("plan", "toy-llama", "--cluster", "h100:8", "--policy", "titan", "--loss-chunks", "4",
+                    "--out", str(out)).returncode == 0
+    r = run_main("verify", "toy-llama", "--plan", str(out), "--nproc", "2", "--steps", "2")
+    assert r.returncode == 0, r.stderr
+    assert "the torchrun job trains the model's own loss over the whole sequence" in r.stderr
+    assert "add --loss-chunks" not in r.stderr and "loss in 4 chunks" not in r.stdout
+
+
 def test_the_python_api_plans_a_module_s_loss_in_chunks():
     """``fsdp_planner.plan(model, inputs, loss_fn, loss_chunks=N)``: a training script's own model, traced as its
-    meta twin, with its output layer and loss in chunks; the plan records them; a bool is refused."""
+    meta twin, with its output layer and loss in chunks; the plan records them; a bool is refused, 0 is whole."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -260,6 +285,7 @@ def test_the_python_api_plans_a_module_s_loss_in_chunks():
     assert got.loss_chunks == 4
     with pytest.raises(PlannerError, match="loss_chunks must be a whole number, got True"):
         plan("toy-llama", cluster="h100:8", loss_chunks=True)
+    assert plan("toy-llama", cluster="h100:8", policy="titan", loss_chunks=0).loss_chunks == 0  # (a plan file's 0)
 
 
 @pytest.mark.integration
@@ -270,3 +296,10 @@ def test_fit_searches_the_workloads_whose_tokens_split_into_the_chunks():
     assert r.returncode == 0, r.stderr
     batch = json.loads(r.stdout)["batch"]
     assert batch["largest_without_offload"] % 2 == 0 and batch["largest"] % 2 == 0
+    # the sequence search starts at the first sequence after the default whose tokens split (batch 3: 96 tokens
+    # do not split into 128; a new user's trial: refused)
+    r = run_main("fit", "toy-llama", "--cluster", "h100:8", "--loss-chunks", "128", "--batch", "3", "--find", "seq",
+                 "--json")
+    assert r.returncode == 0, r.stderr
+    seq = json.loads(r.stdout)["seq"]
+    assert seq["longest_without_offload"] % 128 == 0 and seq["longest"] * 3 % 128 == 0, seq

@@ -339,6 +339,22 @@ def test_the_torchtitan_export_runs_the_plans_workload(tmp_path, workload, tp, r
     assert (cfg.batch, cfg.seq, cfg.global_batch, cfg.tp, cfg.shard) == (*read, tp, workload.ranks // tp)
     assert read_config(TORCHTITAN, job("llama3_70b"), flags).global_batch == read[2]  # the flags say the same
 
+@pytest.mark.parametrize("chunks", [0, 4])
+def test_the_torchtitan_export_s_flags_carry_the_loss_s_chunks(tmp_path, chunks):
+    """fsdp_planner_job() sets the plan's loss, and TORCHTITAN_FLAGS its chunks (--loss.num_chunks) on a job whose
+    loss is chunked, read back as the same chunks; a whole loss has no flag, and the export says so (a new user's
+    trial: the flags kept the job's own 8 chunks)."""
+    plan = Plan(fingerprint="", numel=2, model="llama3-debugmodel", loss_chunks=chunks,
+                workload=Workload(2, 2048, 1, 8),
+                groups=[Group(modules=["layers.0"], params=["layers.0.w"]), Group(modules=[""], params=[])])
+    path, flags = exported(tmp_path, plan)
+    assert read_config(TORCHTITAN, f"{path}:fsdp_planner_job").loss_chunks == (chunks or None)
+    assert read_config(TORCHTITAN, job("llama3_debugmodel"), flags).loss_chunks == (chunks or 8)
+    said = unexpressed(plan, PRECISIONS["bf16-mixed"], None)
+    assert any(n.startswith("TORCHTITAN_FLAGS set --loss.num_chunks 4" if chunks else
+                            "TORCHTITAN_FLAGS keep the job's own loss") for n in said), said
+
+
 @pytest.mark.parametrize(("mesh", "reshard", "offload", "checkpointed", "reduce", "compiled"), [
     (Mesh(2, 4), [False, False], True, ["layers.0"], "", []),
     (None, [True, True], False, [], "bf16", ["layers.0", "layers.1"]),
@@ -1225,12 +1241,29 @@ def test_a_chunked_loss_is_read_or_said(tmp_path, chunks, read, note):
     ("num_chunks=0", "num_chunks = 0: torchtitan's wrapper splits the tokens into num_chunks equal chunks"),
     ("num_chunks=None", "num_chunks = None: torchtitan's wrapper"), ("num_chunks='4'", "num_chunks = '4': "),
     ("num_chunks=4096", "num_chunks = 4,096: fsdp-planner plans a loss in at most 1,024 chunks"),
-    ("4", "ChunkedLossWrapper.Config takes keyword arguments only")])
+    ("4", "ChunkedLossWrapper.Config takes keyword arguments only"),
+    # a new user's trial: a misspelled num_chunks ran the default's 8 chunks without a word
+    ("num_chunk=4", 'loss = ChunkedLossWrapper.Config has no field "num_chunk" (did you mean num_chunks?)'),
+    ("chunks=4, num_chunks=2", 'has no field "chunks", which torchtitan\'s dataclass refuses')])
 def test_a_chunk_count_torchtitan_refuses_is_one_error(tmp_path, chunks, says):
     """A count the wrapper would fail on (or more than the planner plans) is one sentence naming the job, not a
     note beside a whole-sequence loss (a new user's trial: 0, None and '4' were notes)."""
     _refused(tmp_path, REGISTRY_HEAD + f"        loss=ChunkedLossWrapper.Config({chunks}),\n    )\n",
              r"^torchtitan job '.*:job': .*" + re.escape(says))
+
+
+@pytest.mark.parametrize(("name", "flag", "says"), [
+    ("llama3_debugmodel", "--loss.num_chunk", 'ChunkedLossWrapper.Config has no field "num_chunk" (did you mean '
+                                              'num_chunks?)'),
+    ("llama3_debugmodel_ce_loss", "--loss.num_chunks", 'CrossEntropyLoss.Config has no field "num_chunks", which '
+                                                       "torchtitan's dataclass refuses: the job's loss runs over the "
+                                                       "whole sequence")])
+def test_a_loss_flag_the_job_s_loss_has_no_field_for_is_one_error(capsys, name, flag, says):
+    """``--loss.KEY`` after ``--``: a key the job's loss Config lacks is refused, as torchtitan's dataclass does (a new
+    user's trial: a misspelled key planned the default 8 chunks, and num_chunks on a whole loss planned it whole,
+    both without a word)."""
+    assert main(["simulate", "--from-torchtitan", job(name), "--cluster", "h100:8", "--", flag, "4"]) == 2
+    assert says in capsys.readouterr().err
 
 
 def test_chunks_given_to_a_job_with_a_whole_loss_contradict_it(capsys):

@@ -59,7 +59,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     over the model's grouped experts (``--ep``; default none), the experts sharded where ``ep_placement``
     says (``--ep-placement``: "blocks" or "own"). ``fp32_modules``: modules kept in fp32 groups of their
     own under a mixed precision (``--fp32-modules``, e.g. MoE routers; BatchNorm with running stats needs no asking).
-    ``loss_chunks``: the output layer and loss in chunks, as torchtitan's ChunkedLossWrapper (``--loss-chunks``).
+    ``loss_chunks``: the output layer and loss in chunks, as torchtitan's ChunkedLossWrapper (``--loss-chunks``;
+    None or 0, as a plan file's 0: the loss whole).
 
     ``model`` is an ``nn.Module`` (on meta or real) with its ``inputs`` (a tuple of positional args, one tensor or
     a dict of kwargs: one micro-batch of one rank) and optional ``loss_fn`` (default: the mean of squares of the
@@ -88,7 +89,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         module_classes=module_classes or None, search_effort=search_effort, target=target,
         reduce_dtype=reduce_dtype, shard_placement=shard_placement, attention=attention, routing=routing,
         hf_config=hf_config, gradient_sync=gradient_sync, tp=tp, loss_parallel=loss_parallel, async_tp=async_tp,
-        ep=ep, ep_placement=ep_placement, fp32_modules=fp32_modules or None, loss_chunks=loss_chunks)
+        ep=ep, ep_placement=ep_placement, fp32_modules=fp32_modules or None,
+        loss_chunks=None if loss_chunks == 0 and type(loss_chunks) is int else loss_chunks)
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
                       split_by_default=True)
     tracer: Tracer = ((lambda spec, options: trace_spec(spec, options.precision)) if isinstance(model, str)

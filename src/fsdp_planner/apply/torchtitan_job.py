@@ -194,6 +194,14 @@ def _flags_notes(plan: Plan) -> list[str]:
     if plan.checkpoints and plan.checkpoint_early_stop:
         out.append("TORCHTITAN_FLAGS on another job checkpoint with torchtitan's wrapper, which re-runs each block "
                    "whole (early_stop=False): the plan stops early, as fsdp_planner_job()'s parallelize_fn does")
+    if plan.loss_chunks:
+        out.append(f"TORCHTITAN_FLAGS set --loss.num_chunks {plan.loss_chunks}, which needs a job whose loss is "
+                   "ChunkedLossWrapper (torchtitan refuses it on a CrossEntropyLoss job's): fsdp_planner_job() sets "
+                   "the loss itself")
+    else:
+        out.append("TORCHTITAN_FLAGS keep the job's own loss (a flag cannot change its class): on a job with "
+                   "ChunkedLossWrapper they run it in chunks, where the plan's figures are of the loss whole "
+                   "(fsdp_planner_job() sets CrossEntropyLoss; --loss-chunks N plans the chunks)")
     if plan.float8 is not None and plan.float8.recipe.value in TITAN_FLOAT8_RECIPES and flavor is not None:
         out.append("TORCHTITAN_FLAGS carry no float8 converter (a model's converters are no flag): fsdp_planner_job() "
                    "sets it")
@@ -322,7 +330,14 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
     built_on = f"torchtitan's own {base}() job" if base else "a Trainer.Config of the plan's settings"
     return JOB.format(function=FUNCTION, built_on=built_on, imports="\n".join(f"    {i}" for i in sorted(imports)),
                       body="\n".join(body),
-                      flags="\n".join(f"    {', '.join(literal(w) for w in flag)}," for flag in flags(settings)))
+                      flags="\n".join(f"    {', '.join(literal(w) for w in flag)}," for flag in flags(settings)
+                                      + _loss_flags(plan)))
+
+
+def _loss_flags(plan: Plan) -> list[tuple[str, ...]]:
+    """The plan's chunks as a flag (tyro's field of the job's ChunkedLossWrapper.Config); a whole loss has none: a
+    flag cannot change the loss's class (``_flags_notes``)."""
+    return [("--loss.num_chunks", str(plan.loss_chunks))] if plan.loss_chunks else []
 
 
 def _converters(plan: Plan, literal: Callable[[Any], str]) -> str:

@@ -295,10 +295,11 @@ def _longest_seq(request: FitRequest, points: Points) -> tuple[dict[str, Any], l
     limit = points.seq_limit()
     if limit is not None and limit[1] < cap:
         cap = limit[1]
-    step = math.lcm(min(SEQ_STEP, 1 << (seq.bit_length() - 1)), chunked_step(b, request.model.loss_chunks))
-    cap = cap // step * step  # (sequences whose tokens split into the loss's chunks)
+    split = chunked_step(b, request.model.loss_chunks)  # (sequences whose tokens split into the loss's chunks)
+    step = math.lcm(min(SEQ_STEP, 1 << (seq.bit_length() - 1)), split)
+    cap = cap // step * step
     at = lambda s: (b, s, 1)  # noqa: E731
-    start = min(seq, cap)
+    start = min(-(-seq // split) * split, cap)  # (from the sequence given, or the first after it that splits)
     plain = largest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), start, cap, step,
                               SEQ_PARTS)
     longest = plain

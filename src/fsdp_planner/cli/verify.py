@@ -28,6 +28,7 @@ from fsdp_planner.planners.expert_parallel import DATA_SIZED_EXPERTS, check_disp
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, check_model_dtypes, run_verify
 from fsdp_planner.service.job_plan import carried_plan, job_plan
+from fsdp_planner.service.plan_files import CHUNKS_DIFFER
 from fsdp_planner.service.planning import Reporter, judged_model, stamped
 from fsdp_planner.service.tracing import routing_skips
 from fsdp_planner.sim.options import SimOptions
@@ -106,7 +107,13 @@ def _the_job(request: VerifyRequest, predict_on: Cluster | None) -> tuple[ModelS
         plan = _at_scale(tr, request, planning)
     else:
         plan = job_plan(tr, request.source.plan_file, request.source.policy, model, request.plan_cluster, planning,
-                        request.nproc, RUNNING)
+                        request.nproc, TORCHRUN)
+        if plan.loss_chunks:
+            render.note(f"the plan runs the loss in {plan.loss_chunks} chunks; the torchrun job trains the model's own "
+                        "loss over the whole sequence, for parity with one process, and its counts are predicted "
+                        "for that: verify --fake-world-size N --loss-chunks "
+                        f"{plan.loss_chunks} checks the chunks against real FSDP2")
+            plan = plan.replace(loss_chunks=0)
         if (model := _judged(model, request.source, plan)) is not request.model:
             tr = _traced(model, request, predict_on)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
@@ -273,6 +280,15 @@ def _note_what_runs(note: str) -> None:
 
 
 RUNNING = Reporter(_note_what_runs, REPORTER.progress)  # the planning notes of a job that runs
+
+
+def _note_torchrun(note: str) -> None:
+    """``_note_what_runs``, less the plan file's note on its chunks (``_the_job`` says what the job runs)."""
+    if not note.startswith(CHUNKS_DIFFER):
+        _note_what_runs(note)
+
+
+TORCHRUN = Reporter(_note_torchrun, REPORTER.progress)  # a torchrun job's: it trains the model's own loss
 
 
 def run_fake(request: FakeWorldRequest) -> int:

@@ -716,6 +716,8 @@ def _loss(value: Any, notes: list[str], label: str) -> int | None:
     says what is simulated instead (the loss is often a step's memory peak: its logits and their fp32 copies). A
     ``ChunkedLossWrapper``'s chunks are returned (its ``num_chunks``: the step's ``--loss-chunks``; 0 where not a
     literal, simulated whole with a note); a count torchtitan's wrapper would refuse is one error naming it."""
+    if isinstance(value, Call) and value.kind in LOSS_FIELDS:
+        _check_loss_fields(value, label)
     if isinstance(value, Call) and value.kind == "CrossEntropyLoss":
         return None
     if isinstance(value, Call) and value.kind == "ChunkedLossWrapper":
@@ -725,6 +727,28 @@ def _loss(value: Any, notes: list[str], label: str) -> int | None:
     notes.append(f"loss = {shown_json(shown)[1:-1]} is simulated as torchtitan's CrossEntropyLoss over the whole "
                  "sequence")
     return None
+
+
+# the fields of the losses' Configs (torchtitan/components/loss.py at b5bcd76: keyword-only dataclasses, which
+# refuse any other; BaseLoss.Config has none)
+LOSS_FIELDS = {"CrossEntropyLoss": frozenset({"global_vocab_size"}),
+               "ChunkedLossWrapper": frozenset({"num_chunks", "loss_fn"})}
+
+
+def _check_loss_fields(value: Call, label: str) -> None:
+    """One error for a field the loss's Config does not have (``loss=`` or a ``--loss.KEY`` flag): torchtitan's
+    dataclass raises, and read past, a misspelled ``num_chunks`` ran the default's 8 chunks, and ``--loss.num_chunks``
+    on a whole-sequence loss nothing."""
+    known = LOSS_FIELDS[value.kind]
+    for key in value.fields:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8) if len(key) <= 100 else []
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        whole = ": the job's loss runs over the whole sequence, and loss = ChunkedLossWrapper.Config(num_chunks=N) " \
+                "runs it in chunks" if value.kind == "CrossEntropyLoss" and key == "num_chunks" else ""
+        raise PlannerError(f"{label}: loss = {value.kind}.Config has no field {shown_json(key)}{hint}, which "
+                           f"torchtitan's dataclass refuses{whole}")
 
 
 def _whole(value: Any) -> bool:

@@ -23,6 +23,9 @@ from fsdp_planner.service.tracing import LOCAL_STYLES, WHOLE_ON_EACH_RANK, check
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
 
+CHUNKS_DIFFER = "the plan runs the loss in"  # how the note on a plan's chunks the trace lacks begins (a torchrun
+# job, which trains the whole loss, says its own instead)
+
 
 def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str], None],
               world: int | None = None, micro_batches: int | None = None, optimizer: str | None = None,
@@ -46,23 +49,32 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     if optimizer is not None and plan.optimizer and plan.optimizer != optimizer:
         note(f"the plan was made with --optimizer {plan.optimizer} and this command simulates {optimizer}: add "
              f"--optimizer {plan.optimizer} for the figures it was planned with")
-    if plan.compiled and not tr.compiled:
-        note(f"the plan compiles {len(plan.compiled)} modules and this command traced them eager: add --compile for "
-             "the figures it was planned with")
-    elif tr.compiled and set(tr.compiled) != set(plan.compiled):
-        note(f"--compile traced every repeated block compiled ({len(tr.compiled)} modules) and the plan compiles "
-             f"{len(plan.compiled)}{' of them' if set(plan.compiled) < set(tr.compiled) else ''}: these figures are "
-             "of every block compiled, not of the plan's job")
-    if plan.compiled_loss != (tr.compiled_loss is not None):
-        note("the plan compiles the loss and this command traced it eager: add --compile-loss for the figures it was "
-             "planned with" if plan.compiled_loss else "--compile-loss traced the loss compiled and the plan runs it "
-             "eager: these figures are of the compiled loss, not of the plan's job")
-    if plan.loss_chunks != tr.loss_chunks:
-        note(f"the plan runs the loss in {plan.loss_chunks} chunks and this command traced "
-             f"{f'{tr.loss_chunks}' if tr.loss_chunks else 'it whole'}: add --loss-chunks {plan.loss_chunks} for the "
-             "figures it was planned with" if plan.loss_chunks else f"--loss-chunks traced the loss in "
-             f"{tr.loss_chunks} chunks and the plan runs it whole: these figures are of the chunked loss")
+    for said in traced_otherwise(plan, tr):
+        note(said)
     return plan
+
+
+def traced_otherwise(plan: Plan, tr: Trace) -> list[str]:
+    """Notes on what the plan runs compiled or in chunks that this command traced otherwise: its figures are of
+    the trace (``load_plan``, and ``check``'s plan file)."""
+    out: list[str] = []
+    if plan.compiled and not tr.compiled:
+        out.append(f"the plan compiles {len(plan.compiled)} modules and this command traced them eager: add "
+                   "--compile for the figures it was planned with")
+    elif tr.compiled and set(tr.compiled) != set(plan.compiled):
+        out.append(f"--compile traced every repeated block compiled ({len(tr.compiled)} modules) and the plan "
+                   f"compiles {len(plan.compiled)}{' of them' if set(plan.compiled) < set(tr.compiled) else ''}: "
+                   "these figures are of every block compiled, not of the plan's job")
+    if plan.compiled_loss != (tr.compiled_loss is not None):
+        out.append("the plan compiles the loss and this command traced it eager: add --compile-loss for the figures "
+                   "it was planned with" if plan.compiled_loss else "--compile-loss traced the loss compiled and the "
+                   "plan runs it eager: these figures are of the compiled loss, not of the plan's job")
+    if plan.loss_chunks != tr.loss_chunks:
+        out.append(f"{CHUNKS_DIFFER} {plan.loss_chunks} chunks and this command traced "
+                   f"{f'{tr.loss_chunks}' if tr.loss_chunks else 'it whole'}: add --loss-chunks {plan.loss_chunks} "
+                   "for the figures it was planned with" if plan.loss_chunks else f"--loss-chunks traced the loss in "
+                   f"{tr.loss_chunks} chunks and the plan runs it whole: these figures are of the chunked loss")
+    return out
 
 
 def checked_on_model(read: Plan, path: str, tr: Trace, model: ModelSpec | str,
@@ -171,6 +183,8 @@ def plan_to_check(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[
     is ``note``d, as ``load_plan`` notes it."""
     plan = _titled(with_claimed_params(Plan.load(path), tr))
     if (said := _other_workload(plan, as_spec(model), world, micro_batches)) is not None:
+        note(said)
+    for said in traced_otherwise(plan, tr):
         note(said)
     check_hf_config(plan, as_spec(model), path)
     check_shard_dims(plan, tr)

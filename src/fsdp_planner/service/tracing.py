@@ -135,9 +135,9 @@ def with_loss_chunks(tr: Trace, spec: ModelSpec, precision: Precision, note: Cal
         raise PlannerError(f"--loss-chunks: {refusal}: plan this model's loss whole")
     tokens = output_tokens(tr, head)
     if tokens and tokens % spec.loss_chunks:
-        raise PlannerError(f"--loss-chunks {spec.loss_chunks}: the output layer '{head.module}' runs on {tokens:,} "
-                           "tokens, which do not split into that many equal chunks (torchtitan's ChunkedLossWrapper "
-                           "requires it)")
+        raise PlannerError(f"a loss in {spec.loss_chunks} chunks (--loss-chunks, or a torchtitan job's num_chunks): "
+                           f"the output layer '{head.module}' runs on {tokens:,} tokens, which do not split into that "
+                           "many equal chunks (torchtitan's ChunkedLossWrapper requires it)")
     note(f"loss in {spec.loss_chunks} chunks (torchtitan's ChunkedLossWrapper): '{head.module}' and the loss run on "
          f"1/{spec.loss_chunks} of the tokens at a time, each with its backward, beside an fp32 buffer of the hidden "
          "states' gradient; FSDP2 keeps the layer gathered through the chunks and reduce-scatters its gradient at the "

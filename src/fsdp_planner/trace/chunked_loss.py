@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
-from fsdp_planner.trace.events import Event, EventKind
+from fsdp_planner.trace.events import Event, EventKind, OpClass
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
 
@@ -101,6 +101,10 @@ def unchunkable(trace: Trace, head: OutputLayer) -> str | None:
     if calls > 1:
         return f"the model calls its output layer '{head.module}' {calls} times a step"
     after = sum(1 for e in events[head.forward.stop:head.loss_start] if e.kind is EventKind.OP)
+    if any(e.op_class is OpClass.LOG_SOFTMAX for e in events[head.forward.stop:head.loss_start]):
+        return (f"the model computes its loss in its own forward, after '{head.module}' (given labels, as a Hugging "
+                "Face model computes its own), where the wrapper runs the layer and the loss itself on the hidden "
+                "states")
     if after:
         return (f"the model transforms the output of '{head.module}' before returning it ({fmt_count(after, 'op')} "
                 "in its forward after it: a soft-cap, a scale, a log-softmax or another output layer), which the "
