@@ -211,6 +211,7 @@ class _Layout:
         check_style_classes(tp, trace.modules)
         self.rope_share = {m: _rope_share(trace, m, tp.mla_rope_dim) for m, s in self.styles.items()
                            if s is TPStyle.MLA_KV_A_PROJ}
+        self.after_mla = _after_mla(trace, self.styles)
         self._scale: dict[str, float] = {}
 
     @staticmethod
@@ -221,7 +222,8 @@ class _Layout:
         """The share of the whole step's work that an op of ``module`` does on one TP rank."""
         if module not in self._scale:
             chain = [module, *proper_ancestors(module)] if module != ROOT else [ROOT]
-            if any(m in self.embeddings or m in self.packed or m in self.rope_share for m in chain):
+            if any(m in self.embeddings or m in self.packed or m in self.rope_share or m in self.after_mla
+                   for m in chain):
                 self._scale[module] = 1.0
             elif any(m in self.split for m in chain):  # the experts: 1/TP of the routed tokens or hidden units
                 self._scale[module] = 1.0 / self.t
@@ -237,6 +239,30 @@ class _Layout:
         """The innermost region holding ``module`` (itself included), if any."""
         chain = [module, *proper_ancestors(module)] if module != ROOT else [ROOT]
         return next((m for m in chain if m in self.regions), None)
+
+
+def _after_mla(trace: Trace, styles: dict[str, TPStyle]) -> frozenset[str]:
+    """The modules an MLA attention runs on its kv_a_proj's output before its next colwise Linear (kv_b_proj):
+    DeepSeek's kv_a_layernorm, unstyled inside the attention's region but run on the compressed kv whole on every
+    rank, its params replicated (counted at 1/TP, its saved fp32 input was 25 MB a layer short on torchtitan's
+    DeepSeek-V3 debug model at TP 2)."""
+    found: set[str] = set()
+    events, by_module = trace.events, trace.index.boundaries_by_module
+    for m, style in styles.items():
+        if style is not TPStyle.MLA_KV_A_PROJ:
+            continue
+        parent = parent_of(m)
+        post = next((i for i in by_module.get(m, ()) if events[i].kind is EventKind.FWD_POST), None)
+        for e in events[post + 1:] if post is not None else ():
+            if e.kind is not EventKind.FWD_PRE or e.module == parent or not e.module.startswith(f"{parent}."):
+                if e.kind is EventKind.FWD_POST and e.module == parent:
+                    break
+                continue
+            if styles.get(e.module) in _COLWISE:
+                break
+            if e.module not in styles:
+                found.add(e.module)
+    return frozenset(found)
 
 
 def _rope_share(trace: Trace, module: str, rope_dim: int) -> float:
