@@ -259,6 +259,39 @@ def test_a_torchrun_job_of_a_chunked_plan_says_it_trains_the_whole_loss(tmp_path
     assert "add --loss-chunks" not in r.stderr and "loss in 4 chunks" not in r.stdout
 
 
+@pytest.mark.parametrize("fmt", ["python", "lightning"])
+def test_the_export_s_chunked_step_trains_as_the_whole_loss(tmp_path, fmt):
+    """A plan with chunks exports the step that runs them (fsdp-planner's own ``chunked_loss_step``, written into
+    the file with the output layer's name): imported alone, on the real toy-llama, its loss and every grad are the
+    whole cross-entropy's (a new user had only a LOSS_CHUNKS constant to go by)."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    from fsdp_planner.models import load_model
+
+    out = tmp_path / "plan.json"
+    assert run_main("plan", "toy-llama", "--cluster", "h100:8", "--policy", "titan", "--loss-chunks", "4",
+                    "--out", str(out)).returncode == 0
+    code = tmp_path / f"exported_{fmt}.py"
+    assert run_main("export", str(out), "--format", fmt, "--out", str(code)).returncode == 0
+    found = importlib.util.spec_from_file_location(code.stem, code)
+    exported = importlib.util.module_from_spec(found)
+    found.loader.exec_module(exported)
+    assert (exported.OUTPUT_LAYER, exported.LOSS_CHUNKS) == ("output", 4)
+    chunked, whole = (load_model("toy-llama", meta=False, seed=0) for _ in range(2))
+    ids = chunked.example_inputs[0]
+    labels = torch.randint(0, 256, ids.shape, generator=torch.Generator().manual_seed(1))
+    loss = exported.chunked_loss_step(chunked.model, "output", 4, (ids,), {}, labels)
+    logits = whole.model(ids)
+    reference = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="sum")
+    (reference / labels.numel()).backward()
+    assert torch.allclose(loss, reference.detach() / labels.numel(), rtol=1e-5)
+    for (name, p), q in zip(chunked.model.named_parameters(), whole.model.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+
+
 def test_the_python_api_plans_a_module_s_loss_in_chunks():
     """``fsdp_planner.plan(model, inputs, loss_fn, loss_chunks=N)``: a training script's own model, traced as its
     meta twin, with its output layer and loss in chunks; the plan records them; a bool is refused, 0 is whole."""

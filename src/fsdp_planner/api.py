@@ -59,8 +59,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     over the model's grouped experts (``--ep``; default none), the experts sharded where ``ep_placement``
     says (``--ep-placement``: "blocks" or "own"). ``fp32_modules``: modules kept in fp32 groups of their
     own under a mixed precision (``--fp32-modules``, e.g. MoE routers; BatchNorm with running stats needs no asking).
-    ``loss_chunks``: the output layer and loss in chunks, as torchtitan's ChunkedLossWrapper (``--loss-chunks``;
-    None or 0, as a plan file's 0: the loss whole).
+    ``loss_chunks``: the output layer and loss in chunks, as torchtitan's ChunkedLossWrapper (--loss-chunks; 0: whole).
 
     ``model`` is an ``nn.Module`` (on meta or real) with its ``inputs`` (a tuple of positional args, one tensor or
     a dict of kwargs: one micro-batch of one rank) and optional ``loss_fn`` (default: the mean of squares of the

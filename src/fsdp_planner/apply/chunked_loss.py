@@ -9,6 +9,10 @@ a cross-entropy summed over its tokens (torchtitan's ``CrossEntropyLoss``) and i
 into an fp32 buffer; the model's backward then runs once from that buffer, cast to the hidden states' dtype.
 FSDP2 keeps the output layer unsharded through the chunks and syncs its gradient at the last one only, as the
 wrapper asks it to.
+
+Every function here needs torch alone: the Python, Accelerate and Lightning exports of a plan with chunks write them
+into the exported file as they are (``CHUNKED_LOSS_FUNCTIONS``), for a training loop to run the step the plan's
+memory is of.
 """
 
 from __future__ import annotations
@@ -20,33 +24,40 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
-from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.chunked_loss import logits_of
 
 
-def chunked_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
-    """Forward, chunked loss and backward of one micro-batch (module docstring); returns the loss (detached)."""
+def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: dict[str, Any],
+                      labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward, loss and backward of one micro-batch with ``model``'s output layer ``head`` (its module name) and a
+    cross-entropy run in ``chunks`` equal chunks of the tokens, as torchtitan's ChunkedLossWrapper runs them:
+    ``model(*args, **kwargs)`` without the layer, each chunk through the layer, the loss (summed over the chunk's
+    tokens, divided by all of them) and its backward, then the model's backward once. ``labels``: one class index
+    per token (any shape of that many; None: zeros). Returns the loss, detached. The model must return the layer's
+    output as it is (or in ``.logits``)."""
     layer = model.get_submodule(head)
     with _without(model, head):
         output = model(*args, **kwargs)
     hidden = logits_of(output)
     if hidden is None:
-        raise PlannerError(f"--loss-chunks: without '{head}' the model returns no hidden states (a tensor of "
-                           "tokens x width) to run it on in chunks")
+        raise ValueError(f"without '{head}' the model returns no hidden states (a tensor of tokens x width) to run "
+                         "it on in chunks")
     del output  # (what else the model returned; and a sequence shard, torchtitan's norm's own temporary)
     hidden = _replicated(hidden)
     flat = hidden.reshape(-1, hidden.shape[-1])
     tokens = flat.shape[0]
     if tokens % chunks:
-        raise PlannerError(f"--loss-chunks {chunks}: {tokens:,} tokens do not split into that many equal chunks")
+        raise ValueError(f"{tokens:,} tokens do not split into {chunks} equal chunks")
     size = tokens // chunks
-    labels = torch.zeros(tokens, dtype=torch.long, device=flat.device)
+    labels = torch.zeros(tokens, dtype=torch.long, device=flat.device) if labels is None else labels.reshape(-1)
+    if labels.numel() != tokens:
+        raise ValueError(f"{labels.numel():,} labels for {tokens:,} tokens")
     local = _local(flat)
     buffer = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
     total = torch.zeros((), dtype=torch.float32, device=local.device)
     placements = None
-    from torch.distributed.fsdp import FSDPModule  # (here: planning imports this module's loss, not FSDP)
 
     with _unsharded_through(layer):
         for i, piece in enumerate(flat.detach().split(size)):
@@ -140,8 +151,6 @@ def _without(model: nn.Module, head: str) -> Iterator[None]:
 def _unsharded_through(layer: nn.Module) -> Iterator[None]:
     """The output layer gathered once for every chunk, its gradient synced at the last only (the caller turns it
     on there), resharded after: ``ChunkedLossWrapper``'s calls on an FSDP2 module; nothing for another."""
-    from torch.distributed.fsdp import FSDPModule
-
     if not isinstance(layer, FSDPModule):
         yield
         return
@@ -156,3 +165,8 @@ def _unsharded_through(layer: nn.Module) -> Iterator[None]:
         layer.set_reshard_after_backward(True)
         layer.set_requires_gradient_sync(True, recurse=False)
         layer.reshard()
+
+
+# what an export of a plan with chunks writes into its file (``apply/export.py``), in this order
+CHUNKED_LOSS_FUNCTIONS = (logits_of, chunked_loss_step, _ModelBackward, _replicated, _local, _like, _without,
+                          _unsharded_through)

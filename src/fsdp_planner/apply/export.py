@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 import fsdp_planner.apply.torchtitan_parallelize as titan
+from fsdp_planner.apply.chunked_loss import CHUNKED_LOSS_FUNCTIONS
 from fsdp_planner.apply.expert_parallel import expert_reduction
 from fsdp_planner.apply.fully_shard import module_parents
 from fsdp_planner.apply.torchtitan_job import torchtitan_job
@@ -427,7 +428,8 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
                  "torch.compile'd: run yours as loss_fn = torch.compile(loss_fn)")
     lines.append(f"LOSS_CHUNKS: int = {py_literal(plan.loss_chunks)}  # > 0: the plan's memory is of the output layer "
                  "and the loss run in that many chunks of the tokens, each with its backward (torchtitan's "
-                 "ChunkedLossWrapper): run yours so")
+                 "ChunkedLossWrapper): run each micro-batch as chunked_loss_step(model, OUTPUT_LAYER, LOSS_CHUNKS, "
+                 "args, kwargs, labels) in place of loss_fn(model(*args, **kwargs)).backward()")
     lines.append(f"FORWARD_METHODS: list[tuple[str, str]] = {py_literal([tuple(m) for m in plan.forward_methods])}")
     lines.append(f"FORWARD_PREFETCH: dict[int, list[int]] = {py_literal(fwd)}")
     lines.append(f"BACKWARD_PREFETCH: dict[int, list[int]] = {py_literal(bwd)}")
@@ -1085,11 +1087,28 @@ def order_functions() -> str:
     return "".join("\n\n" + inspect.getsource(f) for f in ORDER_FUNCTIONS)
 
 
+def with_chunked_loss(header: str, constants: str, tails: str, loss_head: str | None) -> tuple[str, str, str]:
+    """A plan with its loss in chunks: the step that runs them (``CHUNKED_LOSS_FUNCTIONS``, fsdp-planner's own, as
+    the fake ranks run them) and the output layer's name (``loss_head``; None where the model was not traced here,
+    for the user to set)."""
+    for old, new in (("import heapq\n", "import contextlib\nimport heapq\n"),
+                     ("Callable, Mapping, Sequence", "Callable, Iterator, Mapping, Sequence"),
+                     ("import torch.nn as nn\n", "import torch.nn as nn\nimport torch.nn.functional as F\n")):
+        assert old in header
+        if new.replace(old, "") not in header:  # (TP's imports have some of them)
+            header = header.replace(old, new, 1)
+    said = "the output layer's module name" if loss_head else "set it to your output layer's module name (the " \
+        "model was not traced where this file was written)"
+    constants += f"OUTPUT_LAYER: str = {py_literal(loss_head or '')}  # {said}\n"
+    return header, constants, tails + "".join("\n\n" + inspect.getsource(f) for f in CHUNKED_LOSS_FUNCTIONS)
+
+
 def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION],
-                where: str | os.PathLike[str] | None = None) -> str:
+                where: str | os.PathLike[str] | None = None, loss_head: str | None = None) -> str:
     """The source of a module that applies ``plan`` in the ``fmt`` framework's way, in ``precision`` (what the
     plan's numbers were simulated with: a plan file does not record it); ``where``: the directory it is written to
-    (None: this one), which a model file is named relative to."""
+    (None: this one), which a model file is named relative to; ``loss_head``: a plan with its loss in chunks, the
+    model's output layer (the step that runs the chunks is written in too)."""
     plan = plan.replace(model=portable_model(plan.model, where))
     header = HEADER.format(title=TITLES[fmt], groups=f"{fmt_count(len(plan.inner_groups), 'group')} and the root")
     # a plan made with --reduce-dtype records it: the reduce dtype is part of the precision the plan runs in
@@ -1126,6 +1145,8 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         body = body.replace(TP_APPLY_LINE, TP_APPLY_LINE + FLOAT8_LINE)
         tails += FLOAT8_TAIL
     if fmt is not ExportFormat.TORCHTITAN:
+        if plan.loss_chunks:
+            header, constants, tails = with_chunked_loss(header, constants, tails, loss_head)
         return header + constants + body + tails + tail
     # torchtitan: parallelize_fn as torchtitan calls it, on its own module names, and the job in its registry form
     constants += titan.DIMS_CONSTANT.format(dims=py_literal(titan.torchtitan_dims(

@@ -19,6 +19,8 @@ from fsdp_planner.models import ModelSpec, as_spec, hf
 from fsdp_planner.service.plan_files import checked_modules, checked_on_model
 from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.options import precision_named
+from fsdp_planner.trace.chunked_loss import output_layer
+from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import stamped, write_atomic
 
 
@@ -29,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
         render.note(f"the plan's model {plan.model or '(none named)'} is not built here (a plan file's Python "
                     "factory is not run): the code checks the module names it needs when it runs")
     check_model_runs_ep(as_spec(plan.model), plan, modules)  # transformers' experts its EP does not run: refused
-    if modules is not None:
-        check_on_model(plan, args.plan)
+    traced = check_on_model(plan, args.plan) if modules is not None else None
+    head = output_layer(traced) if traced is not None and plan.loss_chunks else None
     precision = _precision(args.precision, plan)
     if plan.model.partition(":")[0].endswith(".py") and not Path(plan.model.rpartition(":")[0]).is_file():
         render.note(f"the plan's model file {plan.model.rpartition(':')[0]} is not found from here: the code names "
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     hook = export_files(args.out, fmt.value, args.force) if args.out is not None else None
     code_file = hook or (Path(args.out) if args.out is not None else None)
     # each file under its checksum line: a second export --out replaces it only as written (cli/paths.py)
-    source = stamped(export_plan(plan, fmt, precision_named(precision), where=code_file.parent if code_file else None))
+    source = stamped(export_plan(plan, fmt, precision_named(precision), where=code_file.parent if code_file else None,
+                                 loss_head=head.module if head is not None else None))
     config = stamped(accelerate_config(plan, precision_named(precision))) if fmt is ExportFormat.ACCELERATE else None
     if code_file is not None:
         write_atomic(code_file, source)  # export_plan writes ASCII only
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_on_model(plan: Plan, path: str) -> None:
+def check_on_model(plan: Plan, path: str) -> Trace:
     """The plan file checked against the model it names (built and traced here, on meta, at the plan's workload) as
     ``simulate`` checks it (``checked_on_model``), on the ranks it was made for: shard dims a param lacks, an int
     reshard_after_forward that does not divide them, groups that miss a param or list one FSDP2 would not claim,
@@ -76,7 +79,9 @@ def check_on_model(plan: Plan, path: str) -> None:
     spec = ModelSpec(plan.model, batch_size=w.batch if w else None, seq_len=w.seq if w and w.seq else None,
                      attention=plan.attention or None,
                      hf_config=tuple(plan.hf_config.items()) if hf.is_hf(plan.model) else ())
-    checked_on_model(plan, path, trace_spec(spec), spec, render.note, w.ranks if w and w.ranks else None)
+    tr = trace_spec(spec)
+    checked_on_model(plan, path, tr, spec, render.note, w.ranks if w and w.ranks else None)
+    return tr
 
 
 def _precision(asked: str | None, plan: Plan) -> str:

@@ -60,7 +60,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from fsdp_planner.apply.chunked_loss import chunked_step
+from fsdp_planner.apply.chunked_loss import chunked_loss_step
 from fsdp_planner.apply.float8 import after_optimizer_step
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.apply.tensor_parallel import loss_context
@@ -497,7 +497,7 @@ class FakeSteps:
     reshard_after_backward: bool = True
     gradient_sync: GradientSync = GradientSync.LAST
     optimizer: Optimizer = OPTIMIZERS[DEFAULT_OPTIMIZER]
-    loss_head: str | None = None  # with the spec's loss_chunks: the output layer run in chunks (``chunked_step``)
+    loss_head: str | None = None  # with the spec's loss_chunks: the output layer run in chunks (``chunked_loss_step``)
 
 
 # torch's optimizer for each of fsdp-planner's, with its hyper-parameters where they change its bytes
@@ -593,7 +593,8 @@ class FakeTraining:
             with module_calls(self.model, self.tracker.calls), loss_context(self.plan), \
                     counted_in_handlers(self.tracker):
                 if self.spec.loss_chunks and self.how.loss_head is not None:
-                    chunked_step(self.model, self.how.loss_head, self.spec.loss_chunks, self.args, self.kwargs)
+                    chunked_loss_step(self.model, self.how.loss_head, self.spec.loss_chunks, self.args,
+                                      self.kwargs)
                 else:
                     self.loss_fn(self.model(*self.args, **self.kwargs)).backward()
         except (Exception, SystemExit) as e:  # what the user's model raises is one line naming the op and module
