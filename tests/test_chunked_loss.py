@@ -229,6 +229,11 @@ def test_plans_and_exports_carry_the_chunks(tmp_path):
                                 *flags).stdout)["loss_chunks"] for flags in ((), ("--loss-chunks", "4"))]
     assert runs == [0, 4]
     data = json.loads(out.read_text())
+    data["loss_chunks"] = 3  # (not advised where the workload's tokens do not split: --loss-chunks 3 is refused)
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps(data))
+    r = run_main("simulate", "toy-llama", "--plan", str(odd), "--cluster", "h100:8")
+    assert "traced it whole: this workload's 128 tokens do not split into that many" in r.stderr, r.stderr
     data["loss_chunks"] = 1
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
@@ -263,7 +268,7 @@ def test_a_torchrun_job_of_a_chunked_plan_says_it_trains_the_whole_loss(tmp_path
 def test_the_export_s_chunked_step_trains_as_the_whole_loss(tmp_path, fmt):
     """A plan with chunks exports the step that runs them (fsdp-planner's own ``chunked_loss_step``, written into
     the file with the output layer's name): imported alone, on the real toy-llama, its loss and every grad are the
-    whole cross-entropy's (a new user had only a LOSS_CHUNKS constant to go by)."""
+    whole cross-entropy's, ignored labels left out (a new user had only a LOSS_CHUNKS constant to go by)."""
     import importlib.util
 
     import torch
@@ -283,11 +288,12 @@ def test_the_export_s_chunked_step_trains_as_the_whole_loss(tmp_path, fmt):
     chunked, whole = (load_model("toy-llama", meta=False, seed=0) for _ in range(2))
     ids = chunked.example_inputs[0]
     labels = torch.randint(0, 256, ids.shape, generator=torch.Generator().manual_seed(1))
+    labels[:, :5] = -100  # (ignored: the loss is the mean over the others, as F.cross_entropy's)
     loss = exported.chunked_loss_step(chunked.model, "output", 4, (ids,), {}, labels)
     logits = whole.model(ids)
-    reference = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="sum")
-    (reference / labels.numel()).backward()
-    assert torch.allclose(loss, reference.detach() / labels.numel(), rtol=1e-5)
+    reference = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    reference.backward()
+    assert torch.allclose(loss, reference.detach(), rtol=1e-5)
     for (name, p), q in zip(chunked.model.named_parameters(), whole.model.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
 

@@ -464,8 +464,8 @@ def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, c
     assert json.loads(capsys.readouterr().out) == stopping
     assert main(["plan", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert {**plan["config_step"], "micro_batches": 1, "gradient_sync": "last", "checkpoint_early_stop": False} \
-        == from_config
+    assert {**plan["config_step"], "micro_batches": 1, "gradient_sync": "last", "checkpoint_early_stop": False,
+            "loss_chunks": plan["loss_chunks"]} == from_config
     assert (plan["micro_batches"], plan["gradient_sync"]) == (1, "last")
     assert plan["fits"] and plan["auto_step"]["step_time"] <= plan["config_step"]["step_time"]
     assert plan["changes"][-1] == {"key": "(the grouping)", "config": plan["changes"][-1]["config"],
@@ -809,6 +809,19 @@ def test_the_best_edit_of_a_job_over_the_budget_is_the_fastest_that_fits_and_may
     found = best_edit([ACMode.NONE], ["always"], old, Setting(ACMode.NONE, "default", flat, False), step, fits, over)
     assert found is not None and (found[0].offload, found[1].step_time) == (False, 1.0)
     assert best_edit([ACMode.NONE], ["always"], old, old, step, fits, report(3.0, 60)) is None  # none beats 3.0 s
+
+
+@pytest.mark.integration
+def test_the_best_edit_of_a_moe_job_tries_auto_s_expert_parallel_degree(capsys):
+    """torchtitan's gpt-oss 20B job on 8 H100s runs no EP, and auto's plan EP 8: the best edit of the job's keys
+    alone tries that degree too (parallelism.expert_parallel_degree is a key), and takes it (measured here: the job
+    1.05 s, its best edit without EP 1.00 s, with EP 8 0.90 s, auto 0.89 s)."""
+    spec = str(Path(__file__).parent / "fixtures/torchtitan/gpt_oss/config_registry.py:gpt_oss_20b")
+    assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100", "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    edit = {c["key"]: (c["config"], c["auto"]) for c in doc["best_edit"]["changes"]}
+    assert edit["parallelism.expert_parallel_degree"] == ("1", "8")
+    assert doc["best_edit"]["step"]["step_time"] < doc["config_step"]["step_time"]
 
 
 def test_accelerate_regional_compilation_is_read_as_compile(tmp_path):

@@ -40,7 +40,7 @@ def test_documented_commands_are_the_commands():
 
 def test_plan_simulate_cost_memory_models(capsys):
     d = run_json(capsys, "plan", "toy-llama", "--cluster", "h100:8")
-    assert set(d) == {"model", "micro_batches", "gradient_sync", "plans", "auto"}
+    assert set(d) == {"model", "micro_batches", "gradient_sync", "loss_chunks", "plans", "auto"}
     assert {"name", "fingerprint", "numel"} <= set(d["model"])
     assert all({"plan", "metrics", "simulation"} <= set(p) and set(p["simulation"]) >= STEP for p in d["plans"])
     assert {"budget", "budget_source", "fits", "plans_simulated", "plans_refined", "search_effort",

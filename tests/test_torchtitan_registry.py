@@ -1266,6 +1266,20 @@ def test_a_loss_flag_the_job_s_loss_has_no_field_for_is_one_error(capsys, name, 
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("loss", "flags", "says"), [
+    # (a job that sets no loss has Trainer.Config's BaseLoss.Config, which has no fields)
+    ("", ["--loss.num_chunks", "4"], 'loss = BaseLoss.Config has no field "num_chunks", which torchtitan\'s '
+                                     "dataclass refuses: the job's loss runs over the whole sequence"),
+    ("        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(vocab=8)),\n", [],
+     'loss = CrossEntropyLoss.Config has no field "vocab"')])
+def test_a_loss_field_torchtitan_lacks_is_refused_wherever_it_is(tmp_path, loss, flags, says):
+    """A reviewer's findings: a flag on a job without a loss of its own, and the wrapper's inner loss."""
+    path = tmp_path / "config_registry.py"
+    path.write_text(REGISTRY_HEAD + loss + "    )\n")
+    with pytest.raises(PlannerError, match=re.escape(says)):
+        read_config(TORCHTITAN, f"{path}:job", flags)
+
+
 def test_chunks_given_to_a_job_with_a_whole_loss_contradict_it(capsys):
     """A job that names its whole-sequence loss (llama3_debugmodel_ce_loss: CrossEntropyLoss) is not run in chunks
     because the command line asks: one error, as for a chunk count the job's own contradicts (a new user's

@@ -34,9 +34,12 @@ def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwa
     """Forward, loss and backward of one micro-batch with ``model``'s output layer ``head`` (its module name) and a
     cross-entropy run in ``chunks`` equal chunks of the tokens, as torchtitan's ChunkedLossWrapper runs them:
     ``model(*args, **kwargs)`` without the layer, each chunk through the layer, the loss (summed over the chunk's
-    tokens, divided by all of them) and its backward, then the model's backward once. ``labels``: one class index
-    per token (any shape of that many; None: zeros). Returns the loss, detached. The model must return the layer's
-    output as it is (or in ``.logits``)."""
+    tokens, divided by the labelled tokens of all of them) and its backward, then the model's backward once.
+    ``labels``: the target class of each token, already aligned with the model's outputs (a causal LM's shifted),
+    -100 where ignored, in any shape of that many (None: zeros, what the fake ranks train). Returns the loss,
+    detached. The model must return the layer's output as it is (or in ``.logits``)."""
+    if not head:
+        raise ValueError("name the model's output layer (its module name) for its loss to run in chunks")
     layer = model.get_submodule(head)
     with _without(model, head):
         output = model(*args, **kwargs)
@@ -51,9 +54,13 @@ def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwa
     if tokens % chunks:
         raise ValueError(f"{tokens:,} tokens do not split into {chunks} equal chunks")
     size = tokens // chunks
-    labels = torch.zeros(tokens, dtype=torch.long, device=flat.device) if labels is None else labels.reshape(-1)
-    if labels.numel() != tokens:
-        raise ValueError(f"{labels.numel():,} labels for {tokens:,} tokens")
+    if labels is None:
+        labels, labelled = torch.zeros(tokens, dtype=torch.long, device=flat.device), tokens
+    else:
+        labels = labels.reshape(-1)
+        if labels.numel() != tokens:
+            raise ValueError(f"{labels.numel():,} labels for {tokens:,} tokens")
+        labelled = max(1, int((labels != -100).sum()))  # (F.cross_entropy's mean: over the tokens it counts)
     local = _local(flat)
     buffer = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
     total = torch.zeros((), dtype=torch.float32, device=local.device)
@@ -64,7 +71,7 @@ def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwa
             if i == chunks - 1 and isinstance(layer, FSDPModule):  # one reduce-scatter, at the last chunk
                 layer.set_requires_gradient_sync(True, recurse=False)
             piece.requires_grad_(True)
-            loss = F.cross_entropy(layer(piece).float(), labels[i * size:(i + 1) * size], reduction="sum") / tokens
+            loss = F.cross_entropy(layer(piece).float(), labels[i * size:(i + 1) * size], reduction="sum") / labelled
             loss.backward()
             placements = getattr(piece.grad, "placements", None)
             buffer[i * size:(i + 1) * size] = _local(piece.grad)

@@ -428,8 +428,7 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
                  "torch.compile'd: run yours as loss_fn = torch.compile(loss_fn)")
     lines.append(f"LOSS_CHUNKS: int = {py_literal(plan.loss_chunks)}  # > 0: the plan's memory is of the output layer "
                  "and the loss run in that many chunks of the tokens, each with its backward (torchtitan's "
-                 "ChunkedLossWrapper): run each micro-batch as chunked_loss_step(model, OUTPUT_LAYER, LOSS_CHUNKS, "
-                 "args, kwargs, labels) in place of loss_fn(model(*args, **kwargs)).backward()")
+                 "ChunkedLossWrapper)")
     lines.append(f"FORWARD_METHODS: list[tuple[str, str]] = {py_literal([tuple(m) for m in plan.forward_methods])}")
     lines.append(f"FORWARD_PREFETCH: dict[int, list[int]] = {py_literal(fwd)}")
     lines.append(f"BACKWARD_PREFETCH: dict[int, list[int]] = {py_literal(bwd)}")
@@ -720,7 +719,9 @@ def _tp_style(style: str, module: nn.Module, float8: bool = False) -> Any:
         "rowwise_sequence": lambda: rowwise(output_layouts=Shard(1)),
         "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_split": lambda: RowwiseParallel(input_layouts=Replicate()),
-        "sequence_colwise": lambda: ColwiseParallel(input_layouts=Shard(1), use_local_output=not LOSS_PARALLEL,
+        # (its input whole under a chunked loss: chunked_loss_step gathers the hidden states once)
+        "sequence_colwise": lambda: ColwiseParallel(input_layouts=Replicate() if LOSS_CHUNKS else Shard(1),
+                                                    use_local_output=not LOSS_PARALLEL,
                                                     output_layouts=Shard(-1) if LOSS_PARALLEL else Replicate()),
         "embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
         "embedding_sequence": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -1094,12 +1095,15 @@ def with_chunked_loss(header: str, constants: str, tails: str, loss_head: str | 
     for old, new in (("import heapq\n", "import contextlib\nimport heapq\n"),
                      ("Callable, Mapping, Sequence", "Callable, Iterator, Mapping, Sequence"),
                      ("import torch.nn as nn\n", "import torch.nn as nn\nimport torch.nn.functional as F\n")):
-        assert old in header
+        if old not in header:  # (the header every format starts from: HEADER)
+            raise PlannerError(f"the export's header has no {old.strip()!r} to add the chunked loss's imports to")
         if new.replace(old, "") not in header:  # (TP's imports have some of them)
             header = header.replace(old, new, 1)
-    said = "the output layer's module name" if loss_head else "set it to your output layer's module name (the " \
-        "model was not traced where this file was written)"
-    constants += f"OUTPUT_LAYER: str = {py_literal(loss_head or '')}  # {said}\n"
+    said = "the output layer's module name" if loss_head else "set it to your output layer's module name (none " \
+        "found where this file was written)"
+    constants += (f"OUTPUT_LAYER: str = {py_literal(loss_head or '')}  # {said}: run each micro-batch as "
+                  "chunked_loss_step(model, OUTPUT_LAYER, LOSS_CHUNKS, args, kwargs, labels) in place of "
+                  "loss_fn(model(*args, **kwargs)).backward()\n")
     return header, constants, tails + "".join("\n\n" + inspect.getsource(f) for f in CHUNKED_LOSS_FUNCTIONS)
 
 

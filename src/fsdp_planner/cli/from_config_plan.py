@@ -170,8 +170,8 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
     if new.mesh != old.mesh:
         out.append(Change(cfg.key("replicate"), str(old.mesh.replicate), str(new.mesh.replicate)))
         out.append(Change(cfg.key("shard"), str(old.mesh.shard), str(new.mesh.shard)))
-    if auto is not None and auto.ep_degree != config_plan.ep_degree:  # (auto's EP screen chose another degree)
-        out.append(Change(cfg.key("ep"), str(config_plan.ep_degree), str(auto.ep_degree), cfg.kind == TORCHTITAN))
+    if new.ep != old.ep:  # (auto's EP screen chose another degree, or the edit takes it)
+        out.append(Change(cfg.key("ep"), str(old.ep), str(new.ep), cfg.kind == TORCHTITAN))
     if new.offload != old.offload:
         out.append(Change(cfg.key("offload"), str(old.offload).lower(), str(new.offload).lower()))
     # (a config's own job: its reshard key has a row of its own, so the grouping's row is its modules alone)
@@ -296,7 +296,8 @@ def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str,
     options = result.outcome.config.job.options
     return {"config": {"format": cfg.kind, "path": cfg.path, "notes": cfg.notes}, "model": args.model,
             "cluster": args.cluster, "micro_batches": options.micro_batches,
-            "gradient_sync": options.gradient_sync.value, "config_step": step(result.before),
+            "gradient_sync": options.gradient_sync.value, "loss_chunks": result.outcome.config.trace.loss_chunks,
+            "config_step": step(result.before),
             "auto_step": step(result.after),
             "changes": [c.to_dict() for c in result.changes],
             "best_edit": None if result.edit is None else {"changes": [c.to_dict() for c in result.edit[0]],

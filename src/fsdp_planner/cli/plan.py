@@ -113,6 +113,7 @@ def _json(outcome: PlanOutcome) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": {"name": job.model.name, "fingerprint": tr.fingerprint, "numel": tr.numel},
         "micro_batches": job.options.micro_batches, "gradient_sync": job.options.gradient_sync.value,
+        "loss_chunks": tr.loss_chunks,
         "plans": [{"plan": as_written(p, job, tr).to_dict(),  # (as --out writes it: its float8, precision, ...)
                    "metrics": m.to_dict(), **simulation(r)} for p, m, r in outcome.rows],
     }

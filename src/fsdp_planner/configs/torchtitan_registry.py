@@ -71,7 +71,8 @@ MAX_FLAGS = 1000
 IGNORED = frozenset({"hf_assets_path", "dump_folder", "profiler", "metrics", "tokenizer", "dataloader",
                      "lr_scheduler", "checkpoint", "comm", "validator", "debug", "override"})
 SECTION_CLASSES = {"training": "TrainingConfig", "parallelism": "ParallelismConfig", "compile": "CompileConfig",
-                   "activation_checkpoint": "SelectiveAC.Config"}  # each section's dataclass, for an override
+                   "activation_checkpoint": "SelectiveAC.Config", "loss": "BaseLoss.Config"}  # each section's
+# dataclass, for an override (Trainer.Config's defaults)
 # TrainingConfig: the token counts become the TOML's local_batch_size / seq_len / global_batch_size; the rest keep
 # their names. READ: a key whose value the job's simulation depends on (not a literal there: an error).
 TOKENS = ("num_tokens_per_microbatch_per_dp_rank", "max_context_length", "num_tokens_per_train_step")
@@ -731,7 +732,7 @@ def _loss(value: Any, notes: list[str], label: str) -> int | None:
 
 # the fields of the losses' Configs (torchtitan/components/loss.py at b5bcd76: keyword-only dataclasses, which
 # refuse any other; BaseLoss.Config has none)
-LOSS_FIELDS = {"CrossEntropyLoss": frozenset({"global_vocab_size"}),
+LOSS_FIELDS = {"BaseLoss": frozenset(), "CrossEntropyLoss": frozenset({"global_vocab_size"}),
                "ChunkedLossWrapper": frozenset({"num_chunks", "loss_fn"})}
 
 
@@ -746,9 +747,12 @@ def _check_loss_fields(value: Call, label: str) -> None:
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8) if len(key) <= 100 else []
         hint = f" (did you mean {close[0]}?)" if close else ""
         whole = ": the job's loss runs over the whole sequence, and loss = ChunkedLossWrapper.Config(num_chunks=N) " \
-                "runs it in chunks" if value.kind == "CrossEntropyLoss" and key == "num_chunks" else ""
+                "runs it in chunks" if value.kind != "ChunkedLossWrapper" and key == "num_chunks" else ""
         raise PlannerError(f"{label}: loss = {value.kind}.Config has no field {shown_json(key)}{hint}, which "
                            f"torchtitan's dataclass refuses{whole}")
+    inner = value.fields.get("loss_fn")  # (the wrapper's inner loss: the same dataclass rule)
+    if isinstance(inner, Call) and inner.kind in LOSS_FIELDS:
+        _check_loss_fields(inner, label)
 
 
 def _whole(value: Any) -> bool:

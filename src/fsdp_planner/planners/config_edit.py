@@ -1,5 +1,6 @@
 """The best edit of a job config's keys alone: its grouping kept, every checkpointing mode and
-``reshard_after_forward`` rule the format can say, on the config's mesh or auto's. A grid of a few dozen settings,
+``reshard_after_forward`` rule the format can say, on the config's mesh or auto's, at its expert-parallel degree or
+auto's (where the format has the key). A grid of a few dozen settings,
 each simulated by the caller; what a plan says in those keys' terms is ``plan_setting`` (FSDP2 semantics), and what
 torchtitan's job exported from an EP plan on its own MoE model runs, ``exported_setting``."""
 
@@ -25,6 +26,7 @@ class Setting:
     reshard: str | None  # "default", "always", "never"
     mesh: Mesh
     offload: bool
+    ep: int = 1  # the expert-parallel degree (1: none)
 
 
 def plan_setting(plan: Plan, tr: Trace, world: int) -> Setting:
@@ -36,21 +38,23 @@ def plan_setting(plan: Plan, tr: Trace, world: int) -> Setting:
     flags = [g.reshard_after_forward for g in plan.inner_groups]
     reshard = ("always" if all(f is True for f in flags) else "never" if all(f is False for f in flags)
                else "default" if flags and all(f is True for f in flags[:-1]) and flags[-1] is False else None)
-    return Setting(ac, reshard, plan.layout(world), plan.offload)
+    return Setting(ac, reshard, plan.layout(world), plan.offload, plan.ep_degree)
 
 
 def best_edit(modes: Sequence[ACMode], rules: Sequence[str], old: Setting, new: Setting,
               step: Callable[[Setting], StepReport | None], fits: Callable[[int], bool],
-              before: StepReport) -> tuple[Setting, StepReport] | None:
+              before: StepReport, ep_key: bool = True) -> tuple[Setting, StepReport] | None:
     """The fastest setting (checkpointing ``modes`` x reshard ``rules`` x the config's or auto's mesh x its or
-    auto's CPU offload) whose step (``step``: None when the config's policy cannot take it) fits and beats
-    ``before``, or, where ``before`` is over the budget, the fastest that fits; None when none does."""
+    auto's CPU offload x its or auto's EP degree, where the format has a key for it: ``ep_key``) whose step
+    (``step``: None when the config's policy cannot take it) fits and beats ``before``, or, where ``before`` is over
+    the budget, the fastest that fits; None when none does."""
     best: tuple[Setting, StepReport] | None = None
     over = not fits(before.reserved_memory)  # (any edit that fits beats a job that does not)
-    for mode, rule, mesh, offload in itertools.product(modes, dict.fromkeys([old.reshard, *rules]),
-                                                       dict.fromkeys([old.mesh, new.mesh]),
-                                                       dict.fromkeys([old.offload, new.offload])):
-        setting = Setting(mode, rule, mesh, offload)
+    for mode, rule, mesh, offload, ep in itertools.product(modes, dict.fromkeys([old.reshard, *rules]),
+                                                           dict.fromkeys([old.mesh, new.mesh]),
+                                                           dict.fromkeys([old.offload, new.offload]),
+                                                           dict.fromkeys([old.ep, new.ep] if ep_key else [old.ep])):
+        setting = Setting(mode, rule, mesh, offload, ep)
         if setting == old:
             continue
         r = step(setting)
@@ -70,8 +74,8 @@ def keeps_torchtitan_groups(plan: Plan) -> bool:
 def exported_setting(plan: Plan, mesh: Mesh) -> Setting:
     """The settings ``fsdp_planner_job()``'s keys give a job that keeps torchtitan's groups, as a config edit on
     ``mesh``: its one checkpointing class and one reshard rule (as ``apply/torchtitan_job.py`` writes them), the
-    plan's offload."""
-    return Setting(job_ac(plan), reshard_rule(plan), mesh, plan.offload)
+    plan's offload and EP degree."""
+    return Setting(job_ac(plan), reshard_rule(plan), mesh, plan.offload, plan.ep_degree)
 
 
 def job_ac(plan: Plan) -> ACMode:

@@ -525,6 +525,13 @@ def _auto(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter, earl
     return search(kw.early_stop)
 
 
+def _config_setting(cfg: JobConfig, kw: Keywords, dp: int) -> Setting:
+    """What the config's keys set of a job over ``dp`` data-parallel ranks (its EP degree: the config's or
+    ``--ep``, as ``kw`` has it)."""
+    ep = kw.ep if isinstance(kw.ep, int) and kw.ep > 1 else 1
+    return Setting(cfg.ac or ACMode.NONE, cfg.reshard, Mesh(cfg.replicate, dp // cfg.replicate), cfg.offload, ep)
+
+
 def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter,
                    early_stop_given: bool = False) -> ConfigOutcome:
     """The config's job beside auto's plan, and the fastest edit of its keys within the budget (each edit planned
@@ -551,15 +558,16 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     world, before = job.cluster.world_size, traced.report
     assert before is not None
     dp = world // cfg.tp
-    old = Setting(cfg.ac or ACMode.NONE, cfg.reshard, Mesh(cfg.replicate, dp // cfg.replicate), cfg.offload)
+    old = _config_setting(cfg, kw, dp)
     if cfg.plan is not None and traced.plan is not None:  # an export's job: what its keys say is its plan's
         old = plan_setting(traced.plan, tr, world)
     new = plan_setting(auto.search.plan, tr, world)
 
-    def step(setting: Setting, ep: object = kw.ep) -> StepReport | None:
+    def step(setting: Setting) -> StepReport | None:
         ac = setting.ac or ACMode.NONE
         edited = dataclasses.replace(
-            kw, policy=cfg.policy.value, ac=ac.value if ac is not ACMode.NONE else None, ep=ep,
+            kw, policy=cfg.policy.value, ac=ac.value if ac is not ACMode.NONE else None,
+            ep=setting.ep if setting.ep > 1 else None,
             ac_policy=None if ac is not ACMode.OP else kw.ac_policy, offload=setting.offload,
             mesh=f"{setting.mesh.replicate}x{setting.mesh.shard}" if setting.mesh.replicate > 1 else None)
         try:
@@ -570,10 +578,11 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
 
     modes, rules = edit_choices(cfg)
     # (an export's job runs its plan's groups: edits of its keys over torchtitan's grouping are another job's)
-    edit = best_edit(modes, rules, old, new, step, job.budget.fits, before) if cfg.plan is None else None
+    edit = best_edit(modes, rules, old, new, step, job.budget.fits, before, cfg.kind == TORCHTITAN) \
+        if cfg.plan is None else None
     as_exported = None
     if cfg.kind == TORCHTITAN and cfg.plan is None and keeps_torchtitan_groups(auto.search.plan):
         # (at auto's EP degree, which its screen may choose on a job without EP: the export writes it)
         setting = exported_setting(auto.search.plan, new.mesh)
-        as_exported = (setting, step(setting, auto.search.plan.ep_degree))
+        as_exported = (setting, step(setting))
     return ConfigOutcome(traced, auto, old, new, edit, as_exported)

@@ -20,6 +20,7 @@ from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model, wr
 from fsdp_planner.planners.expert_parallel import check_ep_applies, ep_note, expert_modules
 from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout, tp_layout
 from fsdp_planner.service.tracing import LOCAL_STYLES, WHOLE_ON_EACH_RANK, check_local_shapes
+from fsdp_planner.trace.chunked_loss import output_layer, output_tokens
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
 
@@ -70,10 +71,14 @@ def traced_otherwise(plan: Plan, tr: Trace) -> list[str]:
                    "it was planned with" if plan.compiled_loss else "--compile-loss traced the loss compiled and the "
                    "plan runs it eager: these figures are of the compiled loss, not of the plan's job")
     if plan.loss_chunks != tr.loss_chunks:
+        head = output_layer(tr) if plan.loss_chunks else None
+        tokens = output_tokens(tr, head) if head is not None else 0
+        advice = f"add --loss-chunks {plan.loss_chunks} for the figures it was planned with" if not tokens or \
+            tokens % plan.loss_chunks == 0 else f"this workload's {tokens:,} tokens do not split into that many"
         out.append(f"{CHUNKS_DIFFER} {plan.loss_chunks} chunks and this command traced "
-                   f"{f'{tr.loss_chunks}' if tr.loss_chunks else 'it whole'}: add --loss-chunks {plan.loss_chunks} "
-                   "for the figures it was planned with" if plan.loss_chunks else f"--loss-chunks traced the loss in "
-                   f"{tr.loss_chunks} chunks and the plan runs it whole: these figures are of the chunked loss")
+                   f"{f'{tr.loss_chunks}' if tr.loss_chunks else 'it whole'}: {advice}" if plan.loss_chunks else
+                   f"--loss-chunks traced the loss in {tr.loss_chunks} chunks and the plan runs it whole: these "
+                   "figures are of the chunked loss")
     return out
 
 

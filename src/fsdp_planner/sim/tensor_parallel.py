@@ -248,19 +248,18 @@ def _after_mla(trace: Trace, styles: dict[str, TPStyle]) -> frozenset[str]:
     DeepSeek-V3 debug model at TP 2)."""
     found: set[str] = set()
     events, by_module = trace.events, trace.index.boundaries_by_module
+    colwise = [m for m, s in styles.items() if s in _COLWISE]
     for m, style in styles.items():
         if style is not TPStyle.MLA_KV_A_PROJ:
             continue
         parent = parent_of(m)
-        post = next((i for i in by_module.get(m, ()) if events[i].kind is EventKind.FWD_POST), None)
-        for e in events[post + 1:] if post is not None else ():
-            if e.kind is not EventKind.FWD_PRE or e.module == parent or not e.module.startswith(f"{parent}."):
-                if e.kind is EventKind.FWD_POST and e.module == parent:
-                    break
-                continue
-            if styles.get(e.module) in _COLWISE:
+        post = next((i for i in by_module.get(m, ()) if events[i].kind is EventKind.FWD_POST), len(events))
+        for i in range(post + 1, len(events)):  # (by index: no copy of the events' tail a layer)
+            e = events[i]
+            if (e.kind is EventKind.FWD_POST and e.module == parent) or styles.get(e.module) in _COLWISE:
                 break
-            if e.module not in styles:
+            if e.kind is EventKind.FWD_PRE and e.module.startswith(f"{parent}.") and e.module not in styles \
+                    and not any(c.startswith(f"{e.module}.") for c in colwise):  # (a wrapper of kv_b_proj is not)
                 found.add(e.module)
     return frozenset(found)
 

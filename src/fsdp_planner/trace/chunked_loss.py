@@ -100,13 +100,13 @@ def unchunkable(trace: Trace, head: OutputLayer) -> str | None:
     calls = sum(1 for e in events if e.kind is EventKind.FWD_PRE and e.module == head.module)
     if calls > 1:
         return f"the model calls its output layer '{head.module}' {calls} times a step"
-    after = sum(1 for e in events[head.forward.stop:head.loss_start] if e.kind is EventKind.OP)
-    if any(e.op_class is OpClass.LOG_SOFTMAX for e in events[head.forward.stop:head.loss_start]):
+    ops = [e for e in events[head.forward.stop:head.loss_start] if e.kind is EventKind.OP]
+    if any(e.op_class is OpClass.LOG_SOFTMAX for e in ops) and ops[-1].out_nbytes <= 8:  # (to a scalar: a loss)
         return (f"the model computes its loss in its own forward, after '{head.module}' (given labels, as a Hugging "
                 "Face model computes its own), where the wrapper runs the layer and the loss itself on the hidden "
                 "states")
-    if after:
-        return (f"the model transforms the output of '{head.module}' before returning it ({fmt_count(after, 'op')} "
+    if ops:
+        return (f"the model transforms the output of '{head.module}' before returning it ({fmt_count(len(ops), 'op')} "
                 "in its forward after it: a soft-cap, a scale, a log-softmax or another output layer), which the "
                 f"wrapper, running '{head.module}' alone on the hidden states, would skip")
     return None
