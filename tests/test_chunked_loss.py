@@ -290,6 +290,7 @@ def test_the_export_s_chunked_step_trains_as_the_whole_loss(tmp_path, fmt):
     labels = torch.randint(0, 256, ids.shape, generator=torch.Generator().manual_seed(1))
     labels[:, :5] = -100  # (ignored: the loss is the mean over the others, as F.cross_entropy's)
     loss = exported.chunked_loss_step(chunked.model, "output", 4, (ids,), {}, labels)
+    loss.backward()  # (the model's backward, from the chunks' gradient: as a framework calls it)
     logits = whole.model(ids)
     reference = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
     reference.backward()
@@ -298,13 +299,25 @@ def test_the_export_s_chunked_step_trains_as_the_whole_loss(tmp_path, fmt):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
 
 
+def test_a_factory_model_s_export_names_the_output_layer_its_plan_recorded(tmp_path):
+    """export does not run a plan's Python factory, so the plan file records the output layer (``loss_head``) for
+    the export's OUTPUT_LAYER (a new user's trial: '' and a ValueError when the step ran)."""
+    out = tmp_path / "plan.json"
+    assert run_main("plan", "docs/examples/my_model.py:build", "--cluster", "h100:8", "--policy", "auto",
+                    "--loss-chunks", "2", "--out", str(out)).returncode == 0
+    assert json.loads(out.read_text())["loss_head"] == "head"
+    code = tmp_path / "exported.py"
+    assert run_main("export", str(out), "--format", "python", "--out", str(code)).returncode == 0
+    assert "OUTPUT_LAYER: str = 'head'" in code.read_text()
+
+
 def test_the_tp_export_runs_the_chunks_as_the_fake_ranks_do(tmp_path):
-    """A TP plan with chunks, exported: its apply() and chunked_loss_step issue the same TP collectives as
-    apply_plan and the package's step on fake ranks, the hidden states gathered once (the exported head took a
-    sequence shard: every chunk's input grad all-reduced, a reviewer's finding)."""
+    """A TP plan with chunks, exported: its apply() and chunked_loss_step (loss_parallel=LOSS_PARALLEL: a new
+    user's trial ran it without loss_parallel(), which DTensor refused) issue the same TP collectives as apply_plan
+    and the package's step on fake ranks, the hidden states gathered once (the exported head took a sequence
+    shard: every chunk's input grad all-reduced, a reviewer's finding)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.tensor.parallel import loss_parallel
 
     from fsdp_planner.apply.chunked_loss import chunked_loss_step
     from fsdp_planner.apply.export import ExportFormat, export_plan
@@ -317,7 +330,9 @@ def test_the_tp_export_runs_the_chunks_as_the_fake_ranks_do(tmp_path):
                     "4", "--out", str(out)).returncode == 0
     plan = Plan.load(str(out))
     scope: dict = {"__name__": "exported"}
-    exec(compile(export_plan(plan, ExportFormat.PYTHON, loss_head="output"), "exported.py", "exec"), scope)
+    source = export_plan(plan, ExportFormat.PYTHON, loss_head=plan.loss_head)
+    assert "labels, loss_parallel=LOSS_PARALLEL)" in source and plan.loss_head == "output"
+    exec(compile(source, "exported.py", "exec"), scope)
     bf16_mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # the export's
     seen = []
     with fake_process_group(4):
@@ -326,8 +341,8 @@ def test_the_tp_export_runs_the_chunks_as_the_fake_ranks_do(tmp_path):
             lm = load_model("toy-llama", meta=False)
             model = shard(lm.model)
             counter = FunctionalCounter()
-            with counter.counting(), loss_parallel():
-                step(model, "output", 4, lm.example_inputs, {})
+            with counter.counting():
+                step(model, "output", 4, lm.example_inputs, {}, loss_parallel=True).backward()
             seen.append(counter.take())
     assert seen[0] == seen[1] and seen[0][0]["all_gather"] > 0, seen
 

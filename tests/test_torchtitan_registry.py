@@ -1255,6 +1255,7 @@ def test_a_chunk_count_torchtitan_refuses_is_one_error(tmp_path, chunks, says):
 @pytest.mark.parametrize(("name", "flag", "says"), [
     ("llama3_debugmodel", "--loss.num_chunk", 'ChunkedLossWrapper.Config has no field "num_chunk" (did you mean '
                                               'num_chunks?)'),
+    ("llama3_debugmodel", "--los.num_chunks", "[los] is not a section of the job (did you mean loss?)"),
     ("llama3_debugmodel_ce_loss", "--loss.num_chunks", 'CrossEntropyLoss.Config has no field "num_chunks", which '
                                                        "torchtitan's dataclass refuses: the job's loss runs over the "
                                                        "whole sequence")])

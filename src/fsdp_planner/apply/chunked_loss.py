@@ -30,14 +30,17 @@ from fsdp_planner.trace.chunked_loss import logits_of
 
 
 def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: dict[str, Any],
-                      labels: torch.Tensor | None = None) -> torch.Tensor:
+                      labels: torch.Tensor | None = None, loss_parallel: bool = False) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch with ``model``'s output layer ``head`` (its module name) and a
     cross-entropy run in ``chunks`` equal chunks of the tokens, as torchtitan's ChunkedLossWrapper runs them:
     ``model(*args, **kwargs)`` without the layer, each chunk through the layer, the loss (summed over the chunk's
-    tokens, divided by the labelled tokens of all of them) and its backward, then the model's backward once.
-    ``labels``: the target class of each token, already aligned with the model's outputs (a causal LM's shifted),
-    -100 where ignored, in any shape of that many (None: zeros, what the fake ranks train). Returns the loss,
-    detached. The model must return the layer's output as it is (or in ``.logits``)."""
+    tokens, divided by the labelled tokens of all of them) and its backward. Returns the step's loss, whose
+    ``backward()`` runs the model's backward from the chunks' gradient (call it as you would the whole loss's, or
+    let a framework: Lightning's automatic optimization). ``labels``: the target class of each token, already
+    aligned with the model's outputs (a causal LM's shifted), -100 where ignored, in any shape of that many (None:
+    zeros, what the fake ranks train). ``loss_parallel``: the layer's logits are sharded over the vocabulary (a TP
+    plan's loss parallel): each chunk's loss runs under ``loss_parallel()``. The model must return the layer's
+    output as it is (or in ``.logits``)."""
     if not head:
         raise ValueError("name the model's output layer (its module name) for its loss to run in chunks")
     layer = model.get_submodule(head)
@@ -66,7 +69,9 @@ def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwa
     total = torch.zeros((), dtype=torch.float32, device=local.device)
     placements = None
 
-    with _unsharded_through(layer):
+    from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel
+
+    with _unsharded_through(layer), vocab_parallel() if loss_parallel else contextlib.nullcontext():
         for i, piece in enumerate(flat.detach().split(size)):
             if i == chunks - 1 and isinstance(layer, FSDPModule):  # one reduce-scatter, at the last chunk
                 layer.set_requires_gradient_sync(True, recurse=False)
@@ -79,12 +84,9 @@ def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwa
             piece.grad = None  # (the split's tuple holds every chunk through the loop: not their grads)
             del piece, loss
     grad = _like(flat, buffer.to(local.dtype), placements)
-    step_loss = _ModelBackward.apply(flat, grad, total)
     # nothing but the autograd graph holds the hidden states and their gradient through the model's backward
     # (torchtitan's trainer deletes its pred before loss.backward(); the wrapper's locals are gone by then)
-    del buffer, grad, flat, hidden, local, labels
-    step_loss.backward()
-    return total
+    return _ModelBackward.apply(flat, grad, total)
 
 
 class _ModelBackward(torch.autograd.Function):

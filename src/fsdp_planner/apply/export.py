@@ -1101,9 +1101,12 @@ def with_chunked_loss(header: str, constants: str, tails: str, loss_head: str | 
             header = header.replace(old, new, 1)
     said = "the output layer's module name" if loss_head else "set it to your output layer's module name (none " \
         "found where this file was written)"
-    constants += (f"OUTPUT_LAYER: str = {py_literal(loss_head or '')}  # {said}: run each micro-batch as "
-                  "chunked_loss_step(model, OUTPUT_LAYER, LOSS_CHUNKS, args, kwargs, labels) in place of "
-                  "loss_fn(model(*args, **kwargs)).backward()\n")
+    vocab = ", loss_parallel=LOSS_PARALLEL" if "\nLOSS_PARALLEL: bool" in constants else ""
+    constants += (f"OUTPUT_LAYER: str = {py_literal(loss_head or '')}  # {said}: run each micro-batch's forward and "
+                  f"loss as loss = chunked_loss_step(model, OUTPUT_LAYER, LOSS_CHUNKS, args, kwargs, labels{vocab}), "
+                  "then loss.backward() as ever (or return it from a LightningModule's training_step); it leaves the "
+                  "layer's group resharding after forward from the next step on, whatever GROUPS says, as "
+                  "torchtitan's wrapper does\n")
     return header, constants, tails + "".join("\n\n" + inspect.getsource(f) for f in CHUNKED_LOSS_FUNCTIONS)
 
 

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
                     "factory is not run): the code checks the module names it needs when it runs")
     check_model_runs_ep(as_spec(plan.model), plan, modules)  # transformers' experts its EP does not run: refused
     traced = check_on_model(plan, args.plan) if modules is not None else None
-    head = output_layer(traced) if traced is not None and plan.loss_chunks else None
+    loss_head = _output_layer(plan, traced, args.format)
     precision = _precision(args.precision, plan)
     if plan.model.partition(":")[0].endswith(".py") and not Path(plan.model.rpartition(":")[0]).is_file():
         render.note(f"the plan's model file {plan.model.rpartition(':')[0]} is not found from here: the code names "
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     code_file = hook or (Path(args.out) if args.out is not None else None)
     # each file under its checksum line: a second export --out replaces it only as written (cli/paths.py)
     source = stamped(export_plan(plan, fmt, precision_named(precision), where=code_file.parent if code_file else None,
-                                 loss_head=head.module if head is not None else None))
+                                 loss_head=loss_head))
     config = stamped(accelerate_config(plan, precision_named(precision))) if fmt is ExportFormat.ACCELERATE else None
     if code_file is not None:
         write_atomic(code_file, source)  # export_plan writes ASCII only
@@ -67,6 +67,20 @@ def run(args: argparse.Namespace) -> int:
     elif args.out is None:
         print(source, end="")
     return 0
+
+
+def _output_layer(plan: Plan, traced: Trace | None, fmt: str) -> str | None:
+    """The output layer a plan with chunks runs them on, for the code's OUTPUT_LAYER: the traced model's, else the
+    one the plan recorded (a factory's model, not built here), else None, with a note (a plan written before plans
+    recorded it)."""
+    if not plan.loss_chunks:
+        return None
+    head = output_layer(traced) if traced is not None else None
+    found = head.module if head is not None else plan.loss_head or None
+    if found is None and fmt != ExportFormat.TORCHTITAN.value:
+        render.note("the plan runs its loss in chunks and names no output layer (a plan written before plans "
+                    "recorded it): set OUTPUT_LAYER in the code to your output layer's module name")
+    return found
 
 
 def check_on_model(plan: Plan, path: str) -> Trace:

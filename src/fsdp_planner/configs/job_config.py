@@ -281,10 +281,11 @@ TITAN_READ = ("model", "training", "parallelism", "activation_checkpoint", "comp
 
 def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     sections = sorted(TITAN_IGNORED | set(TITAN_READ))
+    near = [*sections, "loss"] if cfg.registry else sections  # (a registry job's loss, read before: the job's)
     for name in data:
         if name not in sections:
             shown = f"[{shown_json(name)[1:-1]}]"
-            close = difflib.get_close_matches(name, sections, n=1, cutoff=0.8) if len(name) <= 100 else []
+            close = difflib.get_close_matches(name, near, n=1, cutoff=0.8) if len(name) <= 100 else []
             if close:  # (a registry job's Trainer.Config field, or a TOML table: torchtitan itself refuses it)
                 raise PlannerError(f"{cfg.kind} config '{cfg.path}': {shown} is not a section of the job (did you "
                                    f"mean {close[0]}?): as written, its settings would stay at their defaults")

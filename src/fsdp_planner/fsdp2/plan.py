@@ -41,7 +41,7 @@ PLAN_VERSION = 1
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
              "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8", "workload",
-             "optimizer", "checkpoint_early_stop", "compiled_loss", "kernels", "loss_chunks")
+             "optimizer", "checkpoint_early_stop", "compiled_loss", "kernels", "loss_chunks", "loss_head")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -226,6 +226,8 @@ class Plan:
     # compile.components "loss" (--compile-loss; ``trace/compiled_loss.py``): what an export compiles
     loss_chunks: int = 0  # the output layer and the loss run in this many chunks of the tokens, as torchtitan's
     # ChunkedLossWrapper (--loss-chunks; ``trace/chunked_loss.py``): what an export's loss does; 0: whole
+    loss_head: str = ""  # with loss_chunks: the output layer's module name (what an export's chunked step runs
+    # alone); "" where not recorded
 
     def __post_init__(self) -> None:
         _tuples(self, ("groups", "activation_checkpointing", "activation_offloading", "compiled"))
@@ -336,6 +338,16 @@ class Plan:
                 self.float8.signature() if self.float8 is not None else None, self.checkpoint_early_stop)
 
     # -- JSON ------------------------------------------------------------------------------------------------
+    def _loss_keys(self) -> dict[str, Any]:
+        """The loss's keys of ``to_dict``: each absent where the loss runs eager and whole, as plans written before
+        them read."""
+        d: dict[str, Any] = {"compiled_loss": True} if self.compiled_loss else {}
+        if self.loss_chunks:
+            d["loss_chunks"] = self.loss_chunks
+            if self.loss_head:
+                d["loss_head"] = self.loss_head
+        return d
+
     def to_dict(self) -> dict[str, Any]:
         d = {
             "version": PLAN_VERSION,
@@ -372,10 +384,7 @@ class Plan:
             d["expert_parallel"] = self.expert_parallel.to_dict()
         if self.compiled:
             d["compiled"] = list(self.compiled)
-        if self.compiled_loss:  # absent: the loss runs eager, as plans written before it read
-            d["compiled_loss"] = True
-        if self.loss_chunks:  # absent: the loss over the whole sequence at once
-            d["loss_chunks"] = self.loss_chunks
+        d.update(self._loss_keys())
         if self.float8 is not None:
             d["float8"] = self.float8.to_dict()
         if self.workload is not None:
@@ -458,6 +467,7 @@ def _plan_from_dict(data: Any) -> Plan:
                 checkpoint_early_stop=_early_stop_from(data.get("checkpoint_early_stop", True)),
                 compiled_loss=_compiled_loss_from(data.get("compiled_loss", False)),
                 loss_chunks=_loss_chunks_from(data.get("loss_chunks", 0)),
+                loss_head=_loss_head_from(data.get("loss_head", "")),
                 **_memory_options(data))
     plan = _with_its_ep(plan)
     check_int_reshard_on_dim0(plan)
@@ -562,6 +572,13 @@ def _loss_chunks_from(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not (value == 0 or 2 <= value <= MAX_LOSS_CHUNKS):
         raise PlannerError(f"plan 'loss_chunks' must be a whole number from 2 to {MAX_LOSS_CHUNKS:,} (the loss in "
                            f"that many chunks, --loss-chunks) or 0, got {shown_json(value)}")
+    return value
+
+
+def _loss_head_from(value: Any) -> str:
+    if not isinstance(value, str) or (value and not is_module_path(value)):
+        raise PlannerError(f"plan 'loss_head' must be the output layer's module name (non-empty names separated by "
+                           f"dots), got {shown_json(value)}")
     return value
 
 

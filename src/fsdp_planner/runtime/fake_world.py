@@ -594,7 +594,7 @@ class FakeTraining:
                     counted_in_handlers(self.tracker):
                 if self.spec.loss_chunks and self.how.loss_head is not None:
                     chunked_loss_step(self.model, self.how.loss_head, self.spec.loss_chunks, self.args,
-                                      self.kwargs)
+                                      self.kwargs).backward()  # (loss parallel: loss_context's, above)
                 else:
                     self.loss_fn(self.model(*self.args, **self.kwargs)).backward()
         except (Exception, SystemExit) as e:  # what the user's model raises is one line naming the op and module

@@ -65,6 +65,7 @@ from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import with_memory_options
 from fsdp_planner.sim.tensor_parallel import TPView, data_parallel_plan, tp_view, view_key
+from fsdp_planner.trace.chunked_loss import output_layer
 from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN, KERNEL_SELECTIVE_SCAN
 from fsdp_planner.trace.records import Trace
 
@@ -149,7 +150,9 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     return dataclasses.replace(plan, precision=job.options.precision.name, optimizer=job.options.optimizer.name,
                                attention=job.model.attention or "", kernels=assumed_kernels(tr),
                                hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled),
-                               compiled_loss=tr.compiled_loss is not None, loss_chunks=tr.loss_chunks, float8=float8,
+                               compiled_loss=tr.compiled_loss is not None, loss_chunks=tr.loss_chunks,
+                               loss_head=head.module if tr.loss_chunks and (head := output_layer(tr)) else "",
+                               float8=float8,
                                workload=_workload(plan, job),
                                checkpoint_early_stop=_early_stop(plan, job.options))
 
