@@ -109,15 +109,17 @@ def float8_modules(modules: dict[str, nn.Module], styles: dict[str, TPStyle]) ->
     return float8_styled(styles, (n for n, m in modules.items() if isinstance(m, linear)))
 
 
-def torch_plan(model: nn.Module, tp: TensorParallel, float8: bool = False, chunked_loss: bool = False
+def torch_plan(model: nn.Module, tp: TensorParallel, float8: bool = False, loss_head: str | None = None
                ) -> dict[str, Any]:
     """``parallelize_module``'s plan: each module the layout matches (by canonical name) -> its torch style;
-    with ``float8``, torchao's float8 styles where they apply (``float8_modules``); with ``chunked_loss``, the
-    output head's input whole (``torch_style``)."""
+    with ``float8``, torchao's float8 styles where they apply (``float8_modules``); with ``loss_head``, the
+    output layer a chunked loss runs alone, its input whole (``torch_style``; "": the plan did not record it, every
+    output head's)."""
     modules = dict(model.named_modules())
     styles = tp.styles(modules)
     f8 = float8_modules(modules, styles) if float8 else set()
-    return {name: torch_style(style, tp.loss_parallel, modules[name], name in f8, chunked_loss)
+    return {name: torch_style(style, tp.loss_parallel, modules[name], name in f8,
+                              loss_head is not None and loss_head in ("", name))
             for name, style in styles.items() if style not in OWN_STYLES}
 
 
@@ -281,18 +283,18 @@ def _check_rope_keys(model: nn.Module, tp: TensorParallel) -> None:
 
 
 def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel: bool = False,
-             float8: bool = False, chunked_loss: bool = False) -> None:
+             float8: bool = False, loss_head: str | None = None) -> None:
     """``parallelize_module`` over ``tp_mesh`` (1-D, the TP degree ranks): params become DTensors sharded over it.
     A layout that splits the experts' tokens needs ``expert_parallel`` (EP's dispatch splits them); ``float8``:
-    the float8 Linears' activations all-gathered in float8 (torchao's styles, ``torch_plan``); ``chunked_loss``:
-    the plan's loss in chunks (the output head's input whole)."""
+    the float8 Linears' activations all-gathered in float8 (torchao's styles, ``torch_plan``); ``loss_head``: the
+    output layer of a plan's loss in chunks (its input whole: ``torch_plan``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if tp_mesh.size() != tp.degree:
         raise PlannerError(f"the plan's TP degree is {tp.degree} but the mesh's 'tp' dim has {tp_mesh.size()} ranks")
     check_moe_styles(tp, dict(model.named_modules()), expert_parallel)
     _check_rope_keys(model, tp)
-    parallelize_module(model, tp_mesh, torch_plan(model, tp, float8, chunked_loss))
+    parallelize_module(model, tp_mesh, torch_plan(model, tp, float8, loss_head))
     apply_own_styles(model, tp, tp_mesh)
 
 

@@ -697,7 +697,7 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     factory = factory_call(spec)
     how = FakeSteps(steps, zero_grad, micro_batches, reshard_after_backward, gradient_sync, optimizer, loss_head)
     # what the ranks run decides the layout apply gives the output head (its input whole under a chunked loss)
-    plan = plan.replace(loss_chunks=spec.loss_chunks if loss_head is not None else 0)
+    plan = plan.replace(loss_chunks=spec.loss_chunks if loss_head is not None else 0, loss_head=loss_head or "")
     started = time.perf_counter()
     with fake_process_group(world_size), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
             _held_view_warnings() as views:
