@@ -6,7 +6,8 @@ The model's forward runs without its output layer (torchtitan's ``_skip_lm_head`
 its parent for the forward's duration, after FSDP2's root pre-forward has seen the whole model); the hidden
 states, flattened to tokens x width and detached, are split into equal chunks; each chunk runs the output layer,
 a cross-entropy summed over its tokens (torchtitan's ``CrossEntropyLoss``) and its backward, its gradient written
-into an fp32 buffer; the model's backward then runs once from that buffer, cast to the hidden states' dtype.
+into an fp32 buffer; the model's backward then runs once from that buffer, cast to the hidden states' dtype, when
+the step's loss it returns is backwarded.
 FSDP2 keeps the output layer unsharded through the chunks and syncs its gradient at the last one only, as the
 wrapper asks it to.
 
@@ -31,8 +32,8 @@ from fsdp_planner.trace.chunked_loss import logits_of
 
 def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwargs: dict[str, Any],
                       labels: torch.Tensor | None = None, loss_parallel: bool = False) -> torch.Tensor:
-    """Forward, loss and backward of one micro-batch with ``model``'s output layer ``head`` (its module name) and a
-    cross-entropy run in ``chunks`` equal chunks of the tokens, as torchtitan's ChunkedLossWrapper runs them:
+    """Forward, loss and the chunks' backward of one micro-batch with ``model``'s output layer ``head`` (its module
+    name) and a cross-entropy run in ``chunks`` equal chunks of the tokens, as torchtitan's ChunkedLossWrapper runs:
     ``model(*args, **kwargs)`` without the layer, each chunk through the layer, the loss (summed over the chunk's
     tokens, divided by the labelled tokens of all of them) and its backward. Returns the step's loss, whose
     ``backward()`` runs the model's backward from the chunks' gradient (call it as you would the whole loss's, or
