@@ -123,8 +123,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     apply_float8(model, plan.float8)  # before TP and fully_shard, as torchtitan's converter
     if plan.tensor_parallel is not None:
         apply_tp(model, plan.tensor_parallel, tp_mesh, expert_parallel,
-                 plan.float8 is not None and plan.float8.tp_float8_all_gather,
-                 plan.loss_head if plan.loss_chunks else None)
+                 plan.float8 is not None and plan.float8.tp_float8_all_gather, plan.chunked_head)
     placement = with_expert_placements(shard_placement_fn(model, plan, world), experts_placed)  # by the names the
     # plan knows, after TP made its params; experts on a per-param mesh by their params' ids
     own_checkpointing_off(model)  # transformers' own: the plan's, before fully_shard as torchtitan's, replaces it

@@ -338,6 +338,11 @@ class Plan:
                 self.float8.signature() if self.float8 is not None else None, self.checkpoint_early_stop)
 
     # -- JSON ------------------------------------------------------------------------------------------------
+    @property
+    def chunked_head(self) -> str | None:
+        """The output layer a loss in chunks runs alone ("" where the plan did not record it); None without chunks."""
+        return self.loss_head if self.loss_chunks else None
+
     def _loss_keys(self) -> dict[str, Any]:
         """The loss's keys of ``to_dict``: each absent where the loss runs eager and whole, as plans written before
         them read."""
