@@ -920,7 +920,7 @@ def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: 
     nbytes = dict.fromkeys(KIND_OF.values(), 0)
     positions = tp_positions(trace) if positions is None else positions
     runs = collective_runs(positions, recomputed)
-    chunked = per_chunk(trace, positions)
+    chunked = _per_chunk(trace, positions)
     runs[chunked] *= trace.loss_chunks or 1
     for p, n, c in zip(positions.tolist(), runs.tolist(), chunked.tolist(), strict=True):
         e = trace.events[p]
@@ -931,7 +931,7 @@ def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: 
     return TPCollectives(counts, nbytes)
 
 
-def per_chunk(trace: Trace, positions: np.ndarray) -> np.ndarray:
+def _per_chunk(trace: Trace, positions: np.ndarray) -> np.ndarray:
     """Which of the TP collectives at ``positions`` (sorted) a chunked loss runs once a chunk, on its share: those of
     the output layer and the loss, but for the layer's input all-gathered from its sequence shard and its grad
     reduce-scattered back (``SEQUENCE_COLWISE``), which run once on the whole hidden states, as torchtitan's norm
