@@ -102,6 +102,23 @@ def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_pat
     assert not any("experts" in n for n in layout.notes)
 
 
+def test_a_per_head_param_left_whole_beside_split_heads_is_refused(tmp_path):
+    """Cohere's q_norm and k_norm under use_qk_norm hold a row per head ([heads, head dim]) and transformers' plan
+    leaves them whole: the planner refuses the layout (the ranks raised a broadcast error: a new user's trial),
+    and without qk norm the same model takes the plan."""
+    config = tmp_path / "config.json"
+    fields = {"model_type": "cohere", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128}
+    config.write_text(json.dumps({**fields, "use_qk_norm": True}))
+    spec = ModelSpec(f"hf:{config}", batch_size=2, seq_len=16)
+    with pytest.raises(PlannerError, match=r"q_norm\.weight \[4, 16\] holds a row per head and no style shards it"):
+        check_layout(trace_spec(spec), tp_layout(trace_spec(spec), 2, spec))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(fields))
+    spec = ModelSpec(f"hf:{plain}", batch_size=2, seq_len=16)
+    check_layout(trace_spec(spec), tp_layout(trace_spec(spec), 2, spec))
+
+
 def _deepseek_v2(tmp_path, **extra) -> ModelSpec:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({
