@@ -81,7 +81,7 @@ class SimContext:
                 times = tp_seconds(trace, cluster, list(times), self.precision.compute_bytes / traced_itemsize(trace))
                 if self.float8 is not None:  # float8's amax all-reduces before the casts of TP shards
                     times = np.asarray(times)
-                    times[self.float8.matmuls] += self.float8.tp_all_reduces * tp_amax_seconds(trace, cluster)
+                    times[self.float8.matmuls] += self.float8.tp_amax_seconds(tp_amax_seconds(trace, cluster))
             if trace.expert_parallel:  # EP's all-to-alls on their EP group (sim/expert_parallel.py)
                 times = ep_seconds(trace, cluster, list(times), self.precision.compute_bytes / traced_itemsize(trace))
             self.times = list(times)

@@ -26,7 +26,8 @@
   the cast (``TP_AMAX_BYTES``; measured on the fake process group, issued by DTensor's redistribution): a rowwise
   Linear's input is sharded on its last dim (cast in forward and again for the weight grad in backward), a colwise
   one's output grad is (cast for each backward matmul); a weight not gathered in float8 is a TP shard in forward
-  and backward. Replicated inputs and output grads need none.
+  and backward. Replicated inputs and output grads need none. Rowwise (axiswise) scales all-reduce a vector of
+  fp64 amaxes, one a row or column, where the scaled axis is the sharded one (``_tp_amaxes``).
 - FSDP2's float8 all-gather: one byte an element for the converted weights (``gathered``), the rest as before;
   the unsharded weights it leaves are float8 too (the memory model's unsharded params). With precomputed scales
   one all-reduce a step of one fp32 amax per converted weight, issued once for each mesh dim the weights are sharded
@@ -36,6 +37,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +76,14 @@ class Float8Step:
     precompute_scale: bool
     tp_all_reduces: np.ndarray  # per matmul: the amax all-reduces over the TP group before it (module docstring)
     cast_peaks: np.ndarray  # per matmul: the most bytes its casts hold at once beside the memory model's terms
+    tp_amax_nbytes: np.ndarray  # per matmul: those all-reduces' bytes (a scalar each tensorwise, vectors rowwise)
     tp_degree: int = 1
+
+    def tp_amax_seconds(self, seconds: Callable[[float], float]) -> np.ndarray:
+        """Per matmul, its amax all-reduces' seconds given one all-reduce's (``seconds`` of its bytes): each of a
+        matmul's all-reduces takes its mean bytes (exact where a collective's time is linear in its bytes)."""
+        return np.array([n * seconds(b / n) if n else 0.0 for n, b in
+                         zip(self.tp_all_reduces.tolist(), self.tp_amax_nbytes.tolist(), strict=True)])
 
     def levels(self, n: int) -> np.ndarray:
         """The casts' bytes as a level at each of ``n`` event positions (``sim/memory.py``'s activations'
@@ -159,7 +168,7 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
     styles = TensorParallel.from_signature(trace.tensor_parallel).styles(trace.modules) if trace.tensor_parallel else {}
     casting = _region_casters(trace, styles)
     shared = _shared_input_casts(trace, linears, compiled)
-    matmuls, nbytes, kernels, amaxes, peaks = [], [], [], [], []
+    matmuls, nbytes, kernels, amaxes, amax_nbytes, peaks = [], [], [], [], [], []
     for i, w, alone in converted_matmuls(trace, weights):
         e = trace.events[i]
         out_features, in_features = trace.params[w].shape
@@ -172,6 +181,7 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
         if weights[w] in trace.float8_tp:  # torchao's float8 TP styles cast around the Linear
             elements, casts, amax, peak = _styled_casts(styles[weights[w]], casting.get(weights[w]), dims,
                                                         weight > 0, e.backward, weight_grad, held, trace.tp_degree)
+            amax_bytes = TP_AMAX_BYTES * amax
         else:
             grads = 1 if fused and f8.recipe is Float8Recipe.TENSORWISE else 2  # output grad casts in backward
             cast_in = weights[w] not in shared  # its input's cast and recast (unless an earlier sibling's serve)
@@ -180,25 +190,30 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
             else:  # the backward's casts shared between its two matmuls (module docstring)
                 elements = (grads * rows * out_features + cast_in * rows * in_features + weight) / 2
                 casts = (grads + cast_in + (weight > 0)) / 2
-            amax = _tp_amaxes(styles.get(weights[w]), e.backward, weight_grad, gathered)
+            amax, amax_bytes = _tp_amaxes(styles.get(weights[w]), e.backward, weight_grad, gathered, f8.recipe, dims)
             made = itemsize * in_features * out_features \
                 if e.backward and not weight_grad and trace.params[w].requires_grad else 0
             peak = cast_peak(dims, weight > 0, e.backward, weight_grad, grads, held, cast_in, made)
         if alone:  # the input grad torchao makes beside it: its half of the backward's casts, its amaxes
             elements, casts = 2 * elements, 2 * casts
-            amax += _tp_amaxes(styles.get(weights[w]), True, False, gathered) if weights[w] not in trace.float8_tp \
-                else _styled_casts(styles[weights[w]], casting.get(weights[w]), dims, weight > 0, True, False, held,
-                                   trace.tp_degree)[2]
+            if weights[w] in trace.float8_tp:
+                more = _styled_casts(styles[weights[w]], casting.get(weights[w]), dims, weight > 0, True, False,
+                                     held, trace.tp_degree)[2]
+                more_bytes = TP_AMAX_BYTES * more
+            else:
+                more, more_bytes = _tp_amaxes(styles.get(weights[w]), True, False, gathered, f8.recipe, dims)
+            amax, amax_bytes = amax + more, amax_bytes + more_bytes
         matmuls.append(i)
         nbytes.append(elements * per)
         kernels.append(casts * launches)
         amaxes.append(amax)
+        amax_nbytes.append(amax_bytes)
         peaks.append(peak)
     return Float8Step(np.array(matmuls, dtype=np.intp), np.array(nbytes, dtype=np.float64),
                       np.array(kernels, dtype=np.float64),
                       frozenset(linears.values()) if gathered else frozenset(), tuple(sorted(linears.values())),
                       f8.precompute_scale, np.array(amaxes, dtype=np.int64), np.array(peaks, dtype=np.float64),
-                      trace.tp_degree)
+                      np.array(amax_nbytes, dtype=np.int64), trace.tp_degree)
 
 
 def cast_peak(dims: tuple[int, int, int], weight: bool, backward: bool, weight_grad: bool, grads: int,
@@ -297,19 +312,35 @@ def _styled_casts(style: TPStyle, region: bool | None, dims: tuple[int, int, int
     return (g + w) / 2, (1 + weight) / 2, int(amax), peak
 
 
-def _tp_amaxes(style: TPStyle | None, backward: bool, weight_grad: bool, gathered: bool) -> int:
-    """The amax all-reduces over the TP group before one matmul of a converted Linear in ``style`` (module
-    docstring): forward, the sharded input (rowwise) and weight (unless gathered in float8); in backward, the
-    weight grad's matmul recasts the input (rowwise) and casts the output grad (colwise), the input grad's casts
-    the output grad (colwise) and recasts the weight (unless gathered in float8)."""
+def _tp_amaxes(style: TPStyle | None, backward: bool, weight_grad: bool, gathered: bool, recipe: Float8Recipe,
+               dims: tuple[int, int, int]) -> tuple[int, int]:
+    """(count, bytes) of the amax all-reduces over the TP group before one matmul of a converted Linear in
+    ``style`` (module docstring); ``dims``: its local (rows, in, out). Tensorwise, one fp64 scalar each: forward,
+    the sharded input (rowwise) and weight (unless gathered in float8); in backward, the weight grad's matmul
+    recasts the input (rowwise) and casts the output grad (colwise), the input grad's casts the output grad
+    (colwise) and recasts the weight (unless gathered in float8). Rowwise (axiswise scales), a vector of fp64
+    amaxes wherever the scaled axis is the TP-sharded one: a rowwise Linear's forward scales its input and weight
+    along their in-features (its rows' and its out-features' amaxes), a colwise one's input-grad matmul scales the
+    output grad along the out-features and the weight along them (its rows' and its in-features' amaxes); the
+    weight grad's matmul scales both operands along the rows, whole on every rank (toy-llama TP 2, rowwise, on the
+    fake process group: 2 a Linear, 56 of its 68 all-reduces a step, 43,008 of their 45,696 bytes)."""
     if style is None:
-        return 0
+        return 0, 0
+    if recipe is Float8Recipe.ROWWISE:
+        rows, in_features, out_features = dims
+        if not backward and style in _ROWWISE:
+            return 2, TP_AMAX_BYTES * (rows + out_features)
+        if backward and not weight_grad and style in _COLWISE:
+            return 2, TP_AMAX_BYTES * (rows + in_features)
+        return 0, 0
     weight = 0 if gathered else 1
     if not backward:
-        return (style in _ROWWISE) + weight
-    if weight_grad:
-        return (style in _ROWWISE) + (style in _COLWISE)
-    return (style in _COLWISE) + weight
+        count = (style in _ROWWISE) + weight
+    elif weight_grad:
+        count = (style in _ROWWISE) + (style in _COLWISE)
+    else:
+        count = (style in _COLWISE) + weight
+    return count, TP_AMAX_BYTES * count
 
 
 # A float8 matmul reaches a smaller share of its data-sheet peak than a bf16 one: the same GEMM sweep on one H100

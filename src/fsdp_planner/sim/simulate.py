@@ -36,7 +36,7 @@ from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.context import SimContext, collective_bytes
 from fsdp_planner.sim.expert_parallel import ep_collectives, ep_positions, ep_view
-from fsdp_planner.sim.float8 import TP_AMAX_BYTES, check_float8_scales, scale_all_reduces
+from fsdp_planner.sim.float8 import check_float8_scales, scale_all_reduces
 from fsdp_planner.sim.host_engine import simulate_host
 from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import SimOptions, plan_options, with_early_stop
@@ -350,10 +350,10 @@ def _tp_fields(ctx: SimContext, plan: Plan, last: bool = True) -> dict:
     at = ctx.cum_array[positions + 1] - ctx.cum_array[positions]  # each collective's seconds
     # each once, and again in a checkpointed call's recomputation unless its op-level policy keeps its output
     seconds = float((at * collective_runs(positions, recomputed)).sum())
-    amaxes, amax_seconds = _float8_amaxes(ctx, recomputed)
+    amaxes, amax_bytes, amax_seconds = _float8_amaxes(ctx, recomputed)
     return {"tp_degree": trace.tp_degree, "tp_all_gathers": tp.counts[AG], "tp_reduce_scatters": tp.counts[RS],
             "tp_all_reduces": tp.counts[AR] + amaxes, "tp_all_gather_bytes": tp.nbytes[AG],
-            "tp_reduce_scatter_bytes": tp.nbytes[RS], "tp_all_reduce_bytes": tp.nbytes[AR] + amaxes * TP_AMAX_BYTES,
+            "tp_reduce_scatter_bytes": tp.nbytes[RS], "tp_all_reduce_bytes": tp.nbytes[AR] + amax_bytes,
             "tp_time": seconds + amax_seconds}
 
 
@@ -365,14 +365,15 @@ def _float8_amaxes(ctx: SimContext, recomputed: Sequence[CheckpointedCall]) -> t
     group, toy-llama TP 2: 8 all-reduces more a step under full and op-level checkpointing of its 4 blocks)."""
     f8 = ctx.float8
     if f8 is None or not f8.tp_all_reduces.any():
-        return 0, 0.0
-    count = int(f8.tp_all_reduces.sum())
+        return 0, 0, 0.0
+    runs = np.ones(len(f8.matmuls), dtype=np.int64)  # each matmul's casts run once, and again when recomputed
     for c in recomputed:
         if not c.offload:
             lo, hi = np.searchsorted(f8.matmuls, c.fwd_pre), np.searchsorted(f8.matmuls, c.end, side="right")
-            forward = np.array([not ctx.trace.events[i].backward for i in f8.matmuls[lo:hi].tolist()], dtype=bool)
-            count += int(f8.tp_all_reduces[lo:hi][forward].sum())
-    return count, count * tp_amax_seconds(ctx.trace, ctx.cluster)
+            runs[lo:hi] += [not ctx.trace.events[i].backward for i in f8.matmuls[lo:hi].tolist()]
+    seconds = f8.tp_amax_seconds(tp_amax_seconds(ctx.trace, ctx.cluster))
+    return (int((f8.tp_all_reduces * runs).sum()), int((f8.tp_amax_nbytes * runs).sum()),
+            float((seconds * runs).sum()))
 
 
 def _ep_fields(ctx: SimContext, plan: Plan) -> dict:

@@ -61,7 +61,7 @@ Replicate to Shard(0), a chunk's clone, no collective) before it drops it (``mem
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -83,7 +83,7 @@ from fsdp_planner.fsdp2.tensor_parallel import (
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import collective_cost
 from fsdp_planner.sim.compute import traced_itemsize
-from fsdp_planner.sim.float8 import TP_AMAX_BYTES, converted_linears
+from fsdp_planner.sim.float8 import converted_linears
 from fsdp_planner.sim.recompute import CheckpointedCall, made_in_view, view_position
 from fsdp_planner.trace.chunked_loss import output_layer
 from fsdp_planner.trace.events import (
@@ -846,12 +846,12 @@ def tp_seconds(trace: Trace, cluster: Cluster, times: list[float], scale: float)
     return out
 
 
-def tp_amax_seconds(trace: Trace, cluster: Cluster) -> float:
-    """Seconds of one float8 amax all-reduce (``float8.TP_AMAX_BYTES``) on the TP group of the whole cluster
-    (``cluster``: the data-parallel view)."""
+def tp_amax_seconds(trace: Trace, cluster: Cluster) -> Callable[[float], float]:
+    """Seconds of one float8 amax all-reduce of so many bytes (a tensorwise scalar, ``float8.TP_AMAX_BYTES``; a
+    rowwise vector) on the TP group of the whole cluster (``cluster``: the data-parallel view)."""
     t = trace.tp_degree
     node = node_cluster(cluster, t)
-    return collective_cost(node, CollectiveKind.ALL_REDUCE, t, min(t, node.gpus_per_node)).seconds(TP_AMAX_BYTES)
+    return collective_cost(node, CollectiveKind.ALL_REDUCE, t, min(t, node.gpus_per_node)).seconds
 
 
 def _overlapped(trace: Trace, times: list[float], i: int, styles: dict[str, TPStyle]) -> float:
