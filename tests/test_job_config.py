@@ -462,8 +462,10 @@ def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, c
     job_stopping.write_text(job.read_text() + "early_stop = true\n")
     assert main(["simulate", "toy-llama", "--from-torchtitan", str(job_stopping), "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out) == stopping
-    assert main(["plan", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
+    out = tmp_path / "auto.json"
+    assert main(["plan", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet", "--out", str(out)]) == 0
     plan = json.loads(capsys.readouterr().out)
+    assert plan["plan"] == json.loads(out.read_text())  # as written: its precision, workload, optimizer (a trial)
     assert {**plan["config_step"], "micro_batches": 1, "gradient_sync": "last", "checkpoint_early_stop": False,
             "loss_chunks": plan["loss_chunks"]} == from_config
     assert (plan["micro_batches"], plan["gradient_sync"]) == (1, "last")

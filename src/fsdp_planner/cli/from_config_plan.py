@@ -305,7 +305,8 @@ def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str,
             # where the torchtitan export keeps torchtitan's groups (EP on its MoE model): auto's plan as it runs
             **({"exported_step": step(result.exported)} if result.exported is not None else {}),
             "fits": result.fits, **({"message": result.no_fit} if result.no_fit else {}),
-            "plan": result.auto.to_dict()}
+            # (as --out writes it: its compile, float8, precision, workload and optimizer)
+            "plan": as_written(result.auto, result.outcome.auto.job, result.outcome.auto.trace).to_dict()}
 
 
 def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: str = "") -> None:
