@@ -92,6 +92,11 @@ def test_hf_config_round_trips_through_the_job_and_the_plan(tmp_path, capsys):
     assert err == (f"error: plan file '{out}' was made with --hf-config use_cache=true; give the same to run it on "
                    "the same model")
     assert main(["check", *common, "--plan", str(out), "--hf-config", "use_cache=true"]) == 0
+    hand = tmp_path / "hand.json"  # a hand-written plan (no 'model' key) is for any model: a new user's trial
+    hand.write_text(json.dumps({"version": 1, "groups": [["model.layers.0"]]}))
+    for command in (["check"], ["simulate", "--cluster", "h100:8"]):
+        assert main([*command, *common, "--plan", str(hand), "--hf-config", "use_cache=true", "--quiet"]) == 0
+    capsys.readouterr()
     code = tmp_path / "plan.py"
     assert main(["export", str(out), "--out", str(code)]) == 0
     assert "HF_CONFIG: dict[str, object] = {'use_cache': True}" in code.read_text()

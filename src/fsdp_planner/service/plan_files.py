@@ -89,10 +89,10 @@ def checked_on_model(read: Plan, path: str, tr: Trace, model: ModelSpec | str,
     params have, TP and EP that apply, a step that reads no sharded param, forward methods that exist, and (given
     ``world``) a layout and int ``reshard_after_forward`` FSDP2 applies on that many ranks. A hand-written plan
     (module lists) is returned with its params derived."""
+    check_hf_config(read, as_spec(model), path)  # (as read: a hand-written plan has no fingerprint until derived)
     plan = _titled(with_claimed_params(read, tr))
     if (said := _filtering_nothing(plan, tr)) is not None:  # (before a refusal it may explain)
         note(said)
-    check_hf_config(plan, as_spec(model), path)
     check_shard_dims(plan, tr)
     check_same_model(plan, tr)  # (before the TP and EP checks, which read the groups)
     check_plan_tp(plan, tr, as_spec(model), note)
@@ -186,12 +186,13 @@ def plan_to_check(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[
     same hf_config fields, forward methods that exist); what FSDP2 would refuse is left for check's findings. A
     plan made for another step than the command's (``micro_batches`` of the model's workload on ``world`` ranks)
     is ``note``d, as ``load_plan`` notes it."""
-    plan = _titled(with_claimed_params(Plan.load(path), tr))
+    read = Plan.load(path)
+    check_hf_config(read, as_spec(model), path)  # (as read: a hand-written plan has no fingerprint until derived)
+    plan = _titled(with_claimed_params(read, tr))
     if (said := _other_workload(plan, as_spec(model), world, micro_batches)) is not None:
         note(said)
     for said in traced_otherwise(plan, tr):
         note(said)
-    check_hf_config(plan, as_spec(model), path)
     check_shard_dims(plan, tr)
     check_plan_tp(plan, tr, as_spec(model), note)  # (the modules not checked on numbers: check said nothing of them)
     check_plan_ep(plan, tr)
