@@ -838,6 +838,43 @@ def test_a_job_called_with_arguments_it_cannot_bind_is_one_line(tmp_path, body, 
     _refused(tmp_path, FORMS_HEAD + "\n\ndef job() -> Trainer.Config:\n" + body, re.escape(says))
 
 
+HELPERS = """
+
+def _tune(config, degree=2):
+    config.parallelism.tensor_parallel_degree = degree
+
+
+def _kernels(config):
+    for name in ("a.b", "c.d"):
+        config.override.imports.append(name)
+
+
+def _both(config):
+    _kernels(config)
+    _tune(config)
+"""
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ("    config = _base(1)\n    for k, v in {'tensor_parallel_degree': 2}.items():\n"
+     "        setattr(config.parallelism, k, v)\n    return config\n", r"\(for\) assigns setattr\(config"),
+    ("    config = _base(1)\n    _tune(config)\n    return config\n", r"\(_tune\(config\)\) hands config to a call"),
+    ("    config = _base(1)\n    _both(config=config)\n    return config\n", "hands config to a call"),
+    ("    config = _base(1)\n    config.parallelism.__init__(tensor_parallel_degree=2)\n    return config\n",
+     "hands config.parallelism to a call"),
+])
+def test_a_change_the_reader_does_not_run_is_refused(tmp_path, body, says):
+    """A job changed by a loop or by a helper of the file the reader does not run would be simulated as another
+    job (a new user's trial: TP 2 set so planned TP 1, with a note): one line; a helper that changes only what no
+    step reads (torchtitan's ``enable_fused_swiglu``: kernel overrides) and a log line are read past."""
+    _refused(tmp_path, FORMS_HEAD + HELPERS + "\n\ndef job() -> Trainer.Config:\n" + body, says)
+    path = tmp_path / "config_registry.py"
+    path.write_text(FORMS_HEAD + HELPERS + "\n\ndef job() -> Trainer.Config:\n    config = _base(4)\n"
+                    "    _kernels(config)\n    print(config)\n    return config\n")
+    cfg = read_config(TORCHTITAN, f"{path}:job")
+    assert cfg.tp == 4 and sum("is not run" in n for n in cfg.notes) == 2
+
+
 @pytest.mark.parametrize(("spec", "read"), [
     # (model, seq, batch, tp, ep, compile) as each job of torchtitan's 2026 registries (b5bcd76) sets them
     ("deepseek_v3/config_registry.py:deepseek_v3_671b", ("hf:deepseek-v3", 4096, 4, 1, 2, False)),

@@ -408,7 +408,7 @@ def _job(source: Source, name: str, label: str, depth: int, notes: list[str],
                            f"{', closest first' if close else ''}: {known})")
     if depth > MAX_DEPTH:
         raise PlannerError(f"{label}: its jobs build on each other more than {MAX_DEPTH} deep")
-    local, edits, returned = _statements(fn, name, label, notes)
+    local, edits, returned = _statements(fn, name, label, notes, source.functions)
     params = _parameters(fn, args or {}, source.constants, label)
     scope: dict[str, Any] = {**source.constants, **params, **local}  # a local hides the module's constant
     variable = returned.id if isinstance(returned, ast.Name) else ""
@@ -553,7 +553,8 @@ def _written_out(call: ast.Call, label: str) -> None:
                            "which the reader does not expand without running the file: write its keywords out")
 
 
-def _statements(fn: ast.FunctionDef, name: str, label: str, notes: list[str]
+def _statements(fn: ast.FunctionDef, name: str, label: str, notes: list[str],
+                functions: dict[str, ast.FunctionDef]
                 ) -> tuple[dict[str, ast.expr], list[tuple[list[str], ast.expr]], ast.expr | None]:
     """What ``fn``'s body assigns, up to its return: names' values, attribute edits (``setattr`` too) and the
     returned expression; a statement whose effect the reader cannot follow is an error or a note."""
@@ -579,23 +580,85 @@ def _statements(fn: ast.FunctionDef, name: str, label: str, notes: list[str]
         elif (edit := _setattr(stmt)) is not None:  # setattr(config.x, "y", value): config.x.y = value
             edits.append(edit)
         elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):  # x.update(...), print(...)
+            if (passed := _handed_over(stmt.value, scope, functions)) is not None:
+                raise PlannerError(f"{label}: line {stmt.lineno} of {name} ({cut_short(ast.unparse(stmt))}) hands "
+                                   f"{passed} to a call the reader does not run (it reads the job without running "
+                                   "the function), so a change it makes to the job would not be read: write the "
+                                   "change as assignments in the function, or give the setting as a flag after --")
             notes.append(f"line {stmt.lineno} of {name} ({cut_short(ast.unparse(stmt))}) is not run: a change "
                          "it makes to the job is not read (write it as an assignment)")
         elif not isinstance(stmt, SKIPPED):
-            _check_unread_block(stmt, name, label)
+            _check_unread_block(stmt, name, label, scope, functions)
             notes.append(f"line {stmt.lineno} of {name} ({type(stmt).__name__.lower()}) is not read: "
                          "only assignments and the return are read, without running the function")
     return scope, edits, returned
 
 
-def _check_unread_block(stmt: ast.stmt, name: str, label: str) -> None:
-    """Refuse a statement the reader does not run (an ``if``, a loop, a ``with``) that assigns inside: which
-    branch runs decides the job (a degree set under ``if big:``), so reading past it would simulate another one."""
+# calls that change no job whatever they are handed (a log line)
+HARMLESS_CALLS = ("print", "logger.", "logging.", "warnings.")
+
+
+def _handed_over(call: ast.Call, scope: dict[str, ast.expr], functions: dict[str, ast.FunctionDef]) -> str | None:
+    """What of the function's own objects (``config``, ``config.parallelism``) ``call`` may change, unread: a call
+    handed one or a method of one, unless it only logs, it reaches a section that changes no step (``IGNORED``:
+    ``config.override.imports.append``), or it is a helper of the file that changes no other (torchtitan's
+    ``enable_fused_swiglu(config)``); a helper that sets a degree (``tune(config)``) would simulate another job (a
+    new user's trial)."""
+    func = _dotted(call.func)
+    if func == "print" or func.startswith(HARMLESS_CALLS[1:]):
+        return None
+    owner = call.func.value if isinstance(call.func, ast.Attribute) else None
+    handed = [(owner, None), *((a, k) for k, a in enumerate(call.args)), *((k.value, k.arg) for k in call.keywords)]
+    for node, at in handed:
+        path = _dotted(node).split(".") if node is not None else [""]
+        if path[0] not in scope or (len(path) > 1 and path[1] in IGNORED):
+            continue
+        helper = functions.get(func) if at is not None and len(path) == 1 else None
+        if helper is not None and not _helper_changes(helper, at, functions):
+            continue
+        return ".".join(path)
+    return None
+
+
+def _helper_changes(fn: ast.FunctionDef, at: int | str, functions: dict[str, ast.FunctionDef], depth: int = 0
+                    ) -> bool:
+    """Whether the file's function ``fn``, handed a job as its parameter ``at`` (a position or a keyword), may
+    change a section of it the simulation reads: an assignment, ``setattr`` or method call under that parameter
+    outside ``IGNORED``, or the parameter handed on to a call that may."""
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    param = names[at] if isinstance(at, int) and at < len(names) else at if isinstance(at, str) else None
+    if param is None or depth > MAX_DEPTH:
+        return True
+    for node in ast.walk(fn):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            path = _dotted(t.value if isinstance(t, ast.Subscript) else t).split(".")
+            if path[0] == param and len(path) > 1 and path[1] not in IGNORED:
+                return True
+        if isinstance(node, ast.Call) and _handed_over(node, {param: node}, {}) is not None:
+            helper = functions.get(_dotted(node.func))
+            if helper is None or _dotted(node.func) == fn.name:
+                return True
+            handed = [k for k, a in enumerate(node.args) if _dotted(a) == param]
+            handed += [k.arg for k in node.keywords if _dotted(k.value) == param]
+            if not handed or any(_helper_changes(helper, k, functions, depth + 1) for k in handed):
+                return True
+    return False
+
+
+def _check_unread_block(stmt: ast.stmt, name: str, label: str, scope: dict[str, ast.expr],
+                        functions: dict[str, ast.FunctionDef]) -> None:
+    """Refuse a statement the reader does not run (an ``if``, a loop, a ``with``) that assigns, sets an attribute
+    (``setattr`` by any name) or hands the function's objects to a call inside: which branch runs decides the job
+    (a degree set under ``if big:``), so reading past it would simulate another one."""
     for node in ast.walk(stmt):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
             if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
-        if targets or (isinstance(node, ast.stmt) and _setattr(node) is not None):
-            what = cut_short(ast.unparse(targets[0])) if targets else "setattr(...)"
+        sets = isinstance(node, ast.Call) and (_dotted(node.func) == "setattr"
+                                               or _handed_over(node, scope, functions) is not None)
+        if targets or sets:
+            what = cut_short(ast.unparse(targets[0] if targets else node))
             raise PlannerError(f"{label}: line {stmt.lineno} of {name} ({type(stmt).__name__.lower()}) assigns "
                                f"{what} inside, which the reader does not run (it reads the job without running "
                                "the function): write the job without it, one function a setting, or give the "
