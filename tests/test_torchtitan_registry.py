@@ -838,6 +838,21 @@ def test_a_job_called_with_arguments_it_cannot_bind_is_one_line(tmp_path, body, 
     _refused(tmp_path, FORMS_HEAD + "\n\ndef job() -> Trainer.Config:\n" + body, re.escape(says))
 
 
+def test_model_registry_imported_under_other_names_is_read_as_its_model(tmp_path):
+    """A file of several models imports each model_registry under its own name (a new user's trial: "not read"),
+    and a keyword at the model's own default (gpt_oss's attn_backend "varlen") is read past without a note."""
+    path = tmp_path / "jobs.py"
+    path.write_text("from torchtitan.models.llama3 import model_registry as llama_registry\n"
+                    "from torchtitan.models.gpt_oss import model_registry as oss_registry\n"
+                    "from torchtitan.trainer import Trainer\n\n\n"
+                    "def llama() -> Trainer.Config:\n    return Trainer.Config(model_spec=llama_registry('8B'))\n\n\n"
+                    "def oss() -> Trainer.Config:\n    return Trainer.Config(model_spec=oss_registry('debugmodel', "
+                    "attn_backend='varlen', moe_comm_backend='standard'))\n")
+    llama, oss = read_config(TORCHTITAN, f"{path}:llama"), read_config(TORCHTITAN, f"{path}:oss")
+    assert llama.model == "llama3-8b" and oss.model == "hf:titan-gpt-oss-debugmodel"
+    assert not any("model_registry" in n or "model_spec" in n for n in (*llama.notes, *oss.notes))
+
+
 HELPERS = """
 
 def _tune(config, degree=2):

@@ -308,6 +308,8 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
         converters = _converters(plan, literal)
         if converters:
             imports.append("from torchtitan.components.quantization import Float8LinearConverter")
+        body.append("    # the flavour's model as the plan simulated it: model_registry's other keywords "
+                    "(attn_backend, moe_comm_backend, ...) at their defaults; add your job's here")
         body.append(f"    config.model_spec = model_registry({literal(flavor[1])}{converters})")
         if not keeps_torchtitan_groups(plan):
             body.append("    config.model_spec.parallelize_fn = parallelize_fn  # the plan's groups")

@@ -100,7 +100,12 @@ SIMULATED_AS = {("compile", "backend"): ("inductor", "fsdp-planner simulates ind
 # activation_checkpoint's dataclass, as the TOML's mode (SelectiveAC is per-op: torchtitan's "op")
 AC_CLASSES = {"SelectiveAC": {"mode": "selective", "selective_ac_option": "op"}, "FullAC": {"mode": "full"},
               "MemoryBudgetAC": {"mode": "memory_budget"}}
-MODEL_REGISTRY_DEFAULTS = {"attn_backend": "flex", "tp_gemm_backend": "default"}  # model_registry's own defaults
+# model_registry's own defaults (each model's torchtitan/models/*/__init__.py at b5bcd76): a value there changes
+# nothing fsdp-planner builds, so it is read past without a note
+MODEL_REGISTRY_DEFAULTS = {"attn_backend": "flex", "tp_gemm_backend": "default", "moe_comm_backend": "standard",
+                           "non_blocking_capacity_factor": None, "num_mtp_layers": 0}
+OWN_REGISTRY_DEFAULTS = {"gpt_oss": {"attn_backend": "varlen"}, "qwen3": {"moe_comm_backend": None},
+                         "qwen3_5": {"moe_comm_backend": None}}
 AC_RENAMED = {"force_recompute_mm_shapes_by_fqns": "per_op_sac_force_recompute_mm_shapes_by_fqns"}
 # each class's Config fields (torchtitan/distributed/activation_checkpoint.py at b5bcd76): no early_stop, which its
 # wrapper fixes to False, and no mode or selective_ac_option, which the class is
@@ -256,7 +261,7 @@ def read_registry(spec: str, overrides: Sequence[Override] = ()) -> tuple[dict[s
         for o in overrides:
             config = _set(config, o.key.split("."), o.value)
         config = check_set_over(config, overrides, label, notes)
-        return toml_tables(config, _model_name(path, tree), label, notes, _exported_plan(tree, label)), notes
+        return toml_tables(config, _model_names(path, tree), label, notes, _exported_plan(tree, label)), notes
     except RecursionError:  # an expression nested thousands deep (ast.parse takes more than literal_eval does)
         raise PlannerError(f"{label}: its values nest too deeply to read") from None
 
@@ -348,16 +353,19 @@ def _top_level(body: list[ast.stmt]) -> list[ast.AST]:
     return out
 
 
-def _model_name(path: Path, tree: ast.Module) -> str:
-    """The torchtitan model the file's ``model_registry`` belongs to: ``from torchtitan.models.llama3 import
-    model_registry``, or ``from . import model_registry`` in ``models/llama3/``."""
+def _model_names(path: Path, tree: ast.Module) -> dict[str, str]:
+    """The torchtitan model each name the file calls ``model_registry`` by belongs to: ``from
+    torchtitan.models.llama3 import model_registry`` (``as llama_registry`` too: a file of several models), or
+    ``from . import model_registry`` in ``models/llama3/``; a file importing none, its folder's model."""
+    out: dict[str, str] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and any(a.name == "model_registry" for a in node.names):
-            if node.level == 0 and node.module:
-                return node.module.split(".")[-1]
-            return path.resolve().parent.name
+        if isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                if a.name == "model_registry":
+                    out.setdefault(a.asname or a.name, node.module.split(".")[-1] if node.level == 0 and node.module
+                                   else path.resolve().parent.name)
     where = path.resolve().parent
-    return where.name if where.parent.name == "models" else ""
+    return out or {"model_registry": where.name if where.parent.name == "models" else ""}
 
 
 SKIPPED = (ast.Expr, ast.Import, ast.ImportFrom, ast.FunctionDef, ast.Assert, ast.Pass)
@@ -738,9 +746,10 @@ def _set(config: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:
 
 
 # -- into the TOML job's tables --------------------------------------------------------------------------------------
-def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str], plan: str | None = None
-                ) -> dict[str, Any]:
-    """``Trainer.Config``'s keywords as the tables of the old TOML job; what has no place there, a note. ``plan``:
+def toml_tables(config: dict[str, Any], models: dict[str, str], label: str, notes: list[str],
+                plan: str | None = None) -> dict[str, Any]:
+    """``Trainer.Config``'s keywords as the tables of the old TOML job; what has no place there, a note.
+    ``models``: the torchtitan model of each name the file calls ``model_registry`` by (``_model_names``). ``plan``:
     the plan an fsdp-planner export holds (``_exported_plan``), which its ``parallelize_fn`` applies: the job's
     grouping where the job keeps that function (``PLAN_TABLE``)."""
     data: dict[str, Any] = {}
@@ -749,7 +758,7 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
         if key in IGNORED:
             continue
         if key == "model_spec":
-            _model(data, value, model, label, notes, plan)
+            _model(data, value, models, label, notes, plan)
         elif key == "activation_checkpoint":
             data[key] = _ac(value, label, notes)
         elif key == "optimizer":
@@ -877,16 +886,18 @@ LOSS_TABLE = "fsdp_planner_loss"  # the tables' key of a ChunkedLossWrapper's ch
 EXPORTED_FN = "parallelize_fn"  # the export's function that applies it
 
 
-def _model(data: dict[str, Any], spec: Any, model: str, label: str, notes: list[str], plan: str | None = None
-           ) -> None:
+def _model(data: dict[str, Any], spec: Any, models: dict[str, str], label: str, notes: list[str],
+           plan: str | None = None) -> None:
     if spec is None:
         return
     flavor = (spec.args[0] if spec.args else spec.fields.get("flavor")) if isinstance(spec, Call) else None
-    if not (isinstance(spec, Call) and spec.kind == "model_registry" and isinstance(flavor, str)):
+    if not (isinstance(spec, Call) and spec.kind in models and isinstance(flavor, str)):
         shown = spec.source if isinstance(spec, Unread) else spec.name if isinstance(spec, Call) else shown_json(spec)
         notes.append(f"model_spec = {shown} is not read (not model_registry(FLAVOR) with a literal flavour): give "
                      "MODEL")
         return
+    model = models[spec.kind]
+    defaults = {**MODEL_REGISTRY_DEFAULTS, **OWN_REGISTRY_DEFAULTS.get(model, {})}
     table: dict[str, Any] = {"flavor": flavor, **({"name": model} if model else {})}
     for key, value in spec.fields.items():
         if key == "parallelize_fn" and plan is not None and _shown(value) == EXPORTED_FN:
@@ -897,7 +908,7 @@ def _model(data: dict[str, Any], spec: Any, model: str, label: str, notes: list[
             notes.append(f"model_spec.parallelize_fn = {_shown(value)} is not read: these figures are of "
                          "torchtitan's own groups for the job's keys, not of that function's (an fsdp-planner "
                          "export's: simulate its plan file for them)")
-        elif key not in ("converters", "flavor") and MODEL_REGISTRY_DEFAULTS.get(key, Unread("")) != value:
+        elif key not in ("converters", "flavor") and defaults.get(key, Unread("")) != value:
             notes.append(f"model_registry's {key} = {_shown(value)} is left out: fsdp-planner builds the "
                          "flavour's own model")
     for conv in spec.fields.get("converters") or []:
