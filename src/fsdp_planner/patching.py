@@ -30,15 +30,16 @@ def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def quiet_loggers(*names: str) -> Iterator[None]:
-    """The named loggers report errors only inside, their own levels back on every way out: for lines a library
-    prints on import that say nothing about the user's job (torchao's CUDA kernels a CPU build cannot load)."""
+def quiet_loggers(*names: str, level: int = logging.ERROR) -> Iterator[None]:
+    """The named loggers report ``level`` and above only inside, their own levels back on every way out: for lines
+    a library prints that say nothing about the user's job (torchao's CUDA kernels a CPU build cannot load; fake
+    tensors' stack of an op that failed, which the one-line error names)."""
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(level)
     try:
         yield
     finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
+        for lg, own in zip(loggers, levels, strict=True):
+            lg.setLevel(own)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import re
 import sys
 import time
@@ -71,7 +72,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision, mixed_precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, hf, resolve_factory
 from fsdp_planner.norms import fused_rms_norm_everywhere
-from fsdp_planner.patching import patched
+from fsdp_planner.patching import patched, quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn
 from fsdp_planner.runtime.fake_build import FakeModel, build_fake
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
@@ -699,8 +700,9 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     # what the ranks run decides the layout apply gives the output head (its input whole under a chunked loss)
     plan = plan.replace(loss_chunks=spec.loss_chunks if loss_head is not None else 0, loss_head=loss_head or "")
     started = time.perf_counter()
+    # (an op that fails on the fake ranks is said in one line: not also as fake tensors' logged stack)
     with fake_process_group(world_size), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
-            _held_view_warnings() as views:
+            _held_view_warnings() as views, quiet_loggers("torch._subclasses.fake_tensor", level=logging.CRITICAL):
         built, host_copies = build_fake(factory, spec.name, mode), HostCopies()
         shard(built.model, plan, world_size, precision, host_copies)
         training = FakeTraining(built, plan, how, spec, host_copies)
