@@ -823,7 +823,10 @@ def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
     assert plan.mesh_dims(8) == {"dp_shard_mod_ep": 2, "dp_shard_in_ep": 2, "tp": 2}
     for keys, match in (("expert_parallel_degree = 2\ntensor_parallel_degree = 4\n", "not a multiple"),
                         ("expert_parallel_degree = 2\ntensor_parallel_degree = 2\nexpert_tensor_parallel_degree = 2\n",
-                         "expert TP 1 only")):
+                         "expert TP 1 only"),
+                        # (torchtitan's rule: 1 or the TP degree; read past in silence before: a new user's trial)
+                        ("expert_parallel_degree = 2\nexpert_tensor_parallel_degree = 2\n",
+                         "takes 1 or the TP degree only")):
         job.write_text(f"[parallelism]\n{keys}")
         with pytest.raises(PlannerError, match=match):
             configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",

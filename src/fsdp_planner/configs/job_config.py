@@ -538,6 +538,14 @@ def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
     cfg.ep = cfg.keys["parallelism.expert_parallel_degree"] = _int(
         cfg, "parallelism.expert_parallel_degree", par.get("expert_parallel_degree", 1), maximum=MAX_EP_DEGREE)
     etp = par.get("expert_tensor_parallel_degree", 1)  # earlier torchtitan's: EP's ranks span TP's only at 1
+    if cfg.registry and "expert_tensor_parallel_degree" in par:  # (a new user's trial: read past in silence)
+        raise PlannerError(f"{cfg.kind} config '{cfg.path}' sets parallelism.expert_tensor_parallel_degree, which "
+                           "torchtitan's ParallelismConfig of 2026 does not have (torchtitan would refuse the job): "
+                           "drop it (EP's ranks span the TP ranks; without EP the experts are tensor-parallel)")
+    if etp not in (1, cfg.tp):
+        raise PlannerError(f"{cfg.kind} config '{cfg.path}' sets parallelism.expert_tensor_parallel_degree = "
+                           f"{shown_json(etp)} with tensor_parallel_degree {cfg.tp}: torchtitan takes 1 or the TP "
+                           "degree only, and refuses the job")
     if etp != 1 and cfg.ep > 1 and cfg.tp > 1:
         raise PlannerError(f"{cfg.kind} config '{cfg.path}' sets parallelism.expert_tensor_parallel_degree = "
                            f"{shown_json(etp)}: with expert parallelism fsdp-planner models expert TP 1 only (EP's "
