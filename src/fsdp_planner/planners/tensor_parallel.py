@@ -138,10 +138,15 @@ def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_pa
     > 1) the only one modelled. ``left_whole``: the rowwise Linears of detected pairs to leave out (``pair_kinds``:
     those whose module's code does not take the split)."""
     if ep > 1 and degree > 1 and not is_titan_moe(trace):
-        raise PlannerError("expert parallelism with tensor parallelism is modelled for torchtitan's MoE layout "
-                           "only (the built-in MoE models, models/moe.py), which this model does not have: give "
-                           "one of them, not both (--ep or --tp; a torchtitan job's expert_parallel_degree or "
-                           "tensor_parallel_degree)")
+        # (a torchtitan job's MoE model is built as transformers' of the same config: hf:titan-..., models/hf.py)
+        name = model.name if model is not None else ""
+        built = f"fsdp-planner builds torchtitan's model ({name}) as transformers' of its config, whose experts" \
+            if name.startswith(f"{hf.PREFIX}titan-") else "transformers' experts" if hf.is_hf(name) else \
+            "this model's experts"
+        raise PlannerError("expert parallelism with tensor parallelism is modelled for the MoE layout of the "
+                           f"built-in MoE models (models/moe.py, torchtitan's own module structure) only, and "
+                           f"{built} take another: give one of them, not both (--ep or --tp; a torchtitan job's "
+                           "expert_parallel_degree or tensor_parallel_degree)")
     if degree > 1 and is_titan_moe(trace):
         heads = _llama_heads(trace)
         notes = () if heads else (_UNKNOWN_HEADS,)
