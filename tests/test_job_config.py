@@ -128,7 +128,12 @@ def test_torchtitan_compile_of_the_loss_alone_leaves_the_blocks_eager(tmp_path):
 
 @pytest.mark.parametrize(("text", "error"), [
     ("[training]\nseq_len = 0\n", "training.seq_len = 0 is not a whole number"),
-    ('[activation_checkpoint]\nmode = "FULL"\n', 'mode = "FULL" is not none, full or selective, in lowercase'),
+    ('[activation_checkpoint]\nmode = "FULL"\n', 'mode = "FULL" is not one of none, full, selective, in lowercase'),
+    # (read as "never" and "bfloat16" before, where torchtitan refuses the job: a new user's trial)
+    ('[parallelism]\nfsdp_reshard_after_forward = "Never"\n',
+     'forward = "Never" is not one of default, always, never, in lowercase'),
+    ('[training]\nmixed_precision_param = "BFloat16"\n',
+     'param = "BFloat16" is not one of bfloat16, float32, in lowercase'),
     ('[training]\nlocal_batch_size = "two"\n', 'training.local_batch_size = "two" is not a whole number'),
     ('[parallelism]\nfsdp_reshard_after_forward = "sometimes"\n', "is not one of default, always, never"),
     ('[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "3"\n', "'op' or 2"),

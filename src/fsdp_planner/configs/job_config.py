@@ -249,9 +249,14 @@ def _int(cfg: JobConfig, key: str, value: Any, minimum: int = 1, maximum: int = 
     return value
 
 
-def _str(cfg: JobConfig, key: str, value: Any, choices: tuple[str, ...]) -> str:
+def _str(cfg: JobConfig, key: str, value: Any, choices: tuple[str, ...], exact: bool = False) -> str:
+    """One of ``choices``, in any case unless ``exact`` (torchtitan compares its strings as written and refuses
+    any other spelling: "Never" was read as "never", a job torchtitan would not run; a new user's trial)."""
     if not isinstance(value, str) or value.strip().lower() not in choices:
         raise _bad(cfg, key, value, f"one of {', '.join(choices)}")
+    if exact and value.strip() != value.strip().lower():
+        raise _bad(cfg, key, value, f"one of {', '.join(choices)}, in lowercase as torchtitan compares it (it "
+                   "refuses any other spelling)")
     return value.strip().lower()
 
 
@@ -441,12 +446,14 @@ def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:
         cfg.global_batch = _int(cfg, "training.global_batch_size", training["global_batch_size"])
         cfg.keys["training.global_batch_size"] = cfg.global_batch
     dtypes = ("bfloat16", "float32")
-    param = _str(cfg, "training.mixed_precision_param", training.get("mixed_precision_param", "bfloat16"), dtypes)
-    reduce = _str(cfg, "training.mixed_precision_reduce", training.get("mixed_precision_reduce", "float32"), dtypes)
+    param = _str(cfg, "training.mixed_precision_param", training.get("mixed_precision_param", "bfloat16"), dtypes,
+                 exact=True)
+    reduce = _str(cfg, "training.mixed_precision_reduce", training.get("mixed_precision_reduce", "float32"), dtypes,
+                  exact=True)
     cfg.keys["training.mixed_precision_param"], cfg.keys["training.mixed_precision_reduce"] = param, reduce
     cfg.precision = "bf16-mixed" if param == "bfloat16" else "fp32"
     cfg.reduce_dtype = "bf16" if reduce == "bfloat16" and param == "bfloat16" else None
-    if "dtype" in training and _str(cfg, "training.dtype", training["dtype"], dtypes) == "bfloat16":
+    if "dtype" in training and _str(cfg, "training.dtype", training["dtype"], dtypes, exact=True) == "bfloat16":
         cfg.precision, cfg.reduce_dtype = "pure-bf16", None  # no fp32 copy of anything
         cfg.keys["training.dtype"] = "bfloat16"
         cfg.notes.append("training.dtype = bfloat16 is simulated as pure-bf16: params, grads, optimizer state and "
@@ -472,7 +479,7 @@ def _titan_optimizer(cfg: JobConfig, opt: dict[str, Any]) -> None:
                          "and AdamW)")
         name = "AdamW"
     if "implementation" in opt:
-        how = _str(cfg, "optimizer.implementation", opt["implementation"], TITAN_IMPLEMENTATIONS)
+        how = _str(cfg, "optimizer.implementation", opt["implementation"], TITAN_IMPLEMENTATIONS, exact=True)
     elif "fused" in opt:
         how = "fused" if _bool(cfg, "optimizer.fused", opt["fused"]) else "foreach"
     else:
@@ -519,7 +526,7 @@ def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
     cfg.shard = None if shard == -1 else _int(cfg, "parallelism.data_parallel_shard_degree", shard)
     if "fsdp_reshard_after_forward" in par:
         cfg.reshard = cfg.keys["parallelism.fsdp_reshard_after_forward"] = _str(
-            cfg, "parallelism.fsdp_reshard_after_forward", par["fsdp_reshard_after_forward"], TITAN_RESHARD)
+            cfg, "parallelism.fsdp_reshard_after_forward", par["fsdp_reshard_after_forward"], TITAN_RESHARD, exact=True)
     cfg.tp = cfg.keys["parallelism.tensor_parallel_degree"] = _int(
         cfg, "parallelism.tensor_parallel_degree", par.get("tensor_parallel_degree", 1))
     if "disable_loss_parallel" in par:
@@ -569,11 +576,8 @@ def _titan_ac(cfg: JobConfig, ac: dict[str, Any]) -> None:
                                "SelectiveAC.Config(), FullAC.Config() or None")
         raise _bad(cfg, "activation_checkpoint.mode", ac["mode"], "none, full or selective (memory_budget is "
                    "torch.compile's checkpointing, which fsdp-planner does not model)")
-    given = ac.get("mode", "selective")
-    if isinstance(given, str) and given.strip() != given.strip().lower():  # torchtitan compares it as written
-        raise _bad(cfg, "activation_checkpoint.mode", given, "none, full or selective, in lowercase as torchtitan "
-                   "compares it (it refuses any other spelling)")
-    mode = _str(cfg, "activation_checkpoint.mode", given, ("none", "full", "selective"))
+    mode = _str(cfg, "activation_checkpoint.mode", ac.get("mode", "selective"), ("none", "full", "selective"),
+                exact=True)
     cfg.keys["activation_checkpoint.mode"] = mode
     cfg.early_stop = _titan_early_stop(cfg, ac)  # (whatever the mode: an edit or auto may checkpoint, torchtitan's way)
     forced = ac.get("per_op_sac_force_recompute_mm_shapes_by_fqns", list(TITAN_RECOMPUTE_FQNS))
