@@ -253,6 +253,9 @@ def test_accelerate_left_out_is_one_line(tmp_path, text, note):
     ("fsdp_config:\n  fsdp_reshard_after_forwrd: false\n", "fsdp_config.fsdp_reshard_after_forwrd is not a key of "
                                                           "fsdp_config (did you mean fsdp_reshard_after_forward?)"),
     ("parallelism_config:\n  parallelism_config_tp_sise: 2\n", "(did you mean parallelism_config_tp_size?)"),
+    # (with sizes whose product then falls short of num_processes: said as that before, a new user's trial)
+    ("num_processes: 8\nparallelism_config:\n  parallelism_config_dp_shard_size: 4\n  parallelism_config_tp_sise: 2\n",
+     "(did you mean parallelism_config_tp_size?)"),
 ])
 def test_accelerate_errors_are_one_line(tmp_path, text, error):
     with pytest.raises(PlannerError, match=re.escape(error)) as e:

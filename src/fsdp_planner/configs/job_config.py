@@ -689,8 +689,8 @@ def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
     if par.get("parallelism_config_dp_replicate_size", 1) not in (1, None):
         cfg.replicate = _int(cfg, "parallelism_config.parallelism_config_dp_replicate_size",
                              par["parallelism_config_dp_replicate_size"])
-    _check_parallelism_size(cfg, par)
     for name in par:  # a key no size reads is said, not dropped: an unprefixed size would silently leave TP out
+        # (before the sizes' product: a misspelled size is said as such, not as a product short of the ranks)
         if name in ACCELERATE_PARALLELISM_KEYS or name in ACCELERATE_PARALLELISM_OPTIONS:
             continue
         said = shown_json(name)[1:-1]
@@ -701,6 +701,7 @@ def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
         cfg.notes.append(f"parallelism_config.{said} is not read: Accelerate's config file spells it {known} "
                          "(ParallelismConfig's own argument name is not a config key here); this job is simulated "
                          "without it")
+    _check_parallelism_size(cfg, par)
 
 
 ACCELERATE_DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # ParallelismConfig's sizes (accelerate 1.16),
