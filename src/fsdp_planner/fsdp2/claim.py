@@ -225,7 +225,8 @@ def check_shardable_params(trace: Trace) -> None:
 
 SCALAR_PROBLEM = "FSDP2's fully_shard refuses 0-dim (scalar) parameters, and the model registers"
 SCALAR_FIX = ("register each as a 1-element 1-D tensor (e.g. nn.Parameter(value.reshape(1))) and the model can be "
-              "sharded")
+              "sharded; a library's model (transformers' CLIPModel and its logit_scale): plan it from a factory "
+              "file of yours that builds it and replaces the param so, before fully_shard (docs/your-model.md)")
 
 
 def scalar_params(trace: Trace) -> list[str]:
