@@ -275,3 +275,24 @@ def test_plan_says_what_its_figures_assume_of_the_model_s_dtypes(capsys, args, s
 
     assert cli.main(["plan", *args, "--policy", "order"]) == 0
     assert said in capsys.readouterr().err
+
+
+def test_a_tied_model_is_not_taken_for_its_untied_twin():
+    """A tied model and its untied twin have one fingerprint (names, shapes and dtypes alike: the tied head's name
+    is an alias of the embedding's weight); the param counts tell them apart, so the untied one's plan is said to
+    be another model's, not this model's with its groups edited (a new user's trial: granite's tied config beside
+    mistral's plan)."""
+    import torch
+    import torch.nn as nn
+
+    def lm(tied: bool) -> nn.Module:
+        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False))
+        if tied:
+            model[1].weight = model[0].weight
+        return model
+
+    tokens = (torch.randint(0, 16, (2, 4)),)
+    untied, tied = (record(lm(t), tokens) for t in (False, True))
+    assert untied.fingerprint == tied.fingerprint and untied.numel != tied.numel
+    with pytest.raises(PlannerError, match=r"plan was made for another model \(extra parameters: 1\.weight\)"):
+        check_plan_matches(ExecutionOrderPolicy().plan(untied), tied)

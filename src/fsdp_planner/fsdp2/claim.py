@@ -250,7 +250,9 @@ def _check_same_params(plan: Plan, trace: Trace) -> None:
     elif not parts:  # (the fingerprint hashes the names, shapes and dtypes: which differ, the plan cannot say)
         parts.append("the same parameter names and count, but another 'model.fingerprint': other shapes or dtypes, "
                      "or the file's fingerprint was edited")
-    if plan.fingerprint in ("", trace.fingerprint):  # this model's plan, its groups edited
+    # this model's plan, its groups edited (the fingerprint hashes names, shapes and dtypes, not which names one
+    # param holds: a tied model's and an untied one's are alike, their param counts not: a new user's trial)
+    if plan.fingerprint in ("", trace.fingerprint) and plan.numel in (0, trace.numel):
         raise PlannerError(f"the plan's groups do not list every param of this model ({'; '.join(parts)}): "
                            "each group's 'params' are those its modules own (make the plan again with "
                            "'plan --out' to get them)")
