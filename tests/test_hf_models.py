@@ -419,6 +419,10 @@ def test_flash_attention_plans_a_soft_capping_model_for_less_than_eager(tmp_path
         saved[attention] = sum(e.saved for e in tr.events)
     scores = 2 * 4 * 256 * 256 * 2  # layers x heads x seq^2, one bf16 score matrix each
     assert saved["eager"] - saved["flash"] >= scores
+    # asked for sdpa, one line naming the ones to give (it was transformers' ValueError: a new user's trial)
+    with pytest.raises(PlannerError, match=r"^--attention sdpa: transformers' gemma2 does not support it: give "
+                                           r"--attention flash or eager"):
+        load_model(ModelSpec(spec, attention="sdpa"))
 
 
 @pytest.mark.integration  # two traces of an MoE: a second

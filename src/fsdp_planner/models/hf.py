@@ -526,6 +526,13 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
         with quiet_loggers(*TORCHAO_LOGGERS, "transformers.generation.configuration_utils"):
             model = _auto_class(task).from_config(config, dtype=torch.float32,
                                                   experts_implementation=hf_experts.register(), **chosen)
+    except ValueError as e:  # transformers refuses an implementation the class lacks (Gemma 2 and SDPA)
+        if attention is None or "does not support" not in str(e):
+            raise
+        others = ", ".join(a for a in ATTN_IMPLEMENTATIONS if a != attention)
+        raise PlannerError(f"--attention {attention}: transformers' {config.model_type} does not support it: give "
+                           f"--attention {others.replace(', ', ' or ')}, or leave --attention out for transformers' "
+                           "own choice") from None
     except KeyError as e:  # a class that picks its attention from its own table (Falcon's FALCON_ATTENTION_CLASSES)
         # never looks up an implementation registered with transformers' AttentionInterface
         if attention != "flash" or hf_attention.FUSED not in str(e):
