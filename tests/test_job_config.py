@@ -132,6 +132,7 @@ def test_torchtitan_compile_of_the_loss_alone_leaves_the_blocks_eager(tmp_path):
     # (read as "never" and "bfloat16" before, where torchtitan refuses the job: a new user's trial)
     ('[parallelism]\nfsdp_reshard_after_forward = "Never"\n',
      'forward = "Never" is not one of default, always, never, in lowercase'),
+    ('[parallelism]\npipeline_parallel_degree = -1\n', "pipeline_parallel_degree = -1, which torchtitan refuses"),
     ('[training]\nmixed_precision_param = "BFloat16"\n',
      'param = "BFloat16" is not one of bfloat16, float32, in lowercase'),
     ('[training]\nlocal_batch_size = "two"\n', 'training.local_batch_size = "two" is not a whole number'),

@@ -562,6 +562,9 @@ def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
 
 def refuse_other_job(cfg: JobConfig, key: str, degree: Any, what: str) -> None:
     """Context or pipeline parallelism above 1: not modelled, so any verdict would be about another job."""
+    if degree == -1 and cfg.kind == TORCHTITAN:  # (read as 1 before: a new user's trial)
+        raise PlannerError(f"{cfg.kind} config '{cfg.path}' sets {key} = -1, which torchtitan refuses (-1, the rest "
+                           "of the GPUs, is data_parallel_shard_degree's alone): set it to 1")
     if degree not in (1, -1, None):
         raise PlannerError(f"{cfg.kind} config '{cfg.path}' sets {key} = {shown_json(degree)}: fsdp-planner does "
                            f"not model {what} yet, so its verdict would be about another job (set it to 1 to plan "
