@@ -21,7 +21,7 @@ from fsdp_planner.cli.requests import configured, keywords
 from fsdp_planner.configs.job_config import TORCHTITAN, JobConfig
 from fsdp_planner.configs.torchtitan_registry import PLAN_NAME
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
+from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.planners.auto import PeakTerm
 from fsdp_planner.planners.config_edit import Setting
@@ -177,8 +177,8 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
     # (a config's own job: its reshard key has a row of its own, so the grouping's row is its modules alone)
     same = _grouping(config_plan) == _grouping(auto) if held else _modules(config_plan) == _modules(auto)
     if auto is not None and not same:
-        out.append(Change(cfg.key("policy"), f"{config_plan.policy}: {len(config_plan.groups)} groups",
-                          f"{len(auto.groups)} groups", False))
+        out.append(Change(cfg.key("policy"), f"{config_plan.policy}: {fmt_count(len(config_plan.groups), 'group')}",
+                          fmt_count(len(auto.groups), "group"), False))
     return out
 
 
@@ -252,7 +252,8 @@ def _export_line(result: Result, cfg: JobConfig, fmt: str) -> str:
     """How to run auto's grouping, which no config key says: its export (whose parallelize_fn a model torchtitan
     lacks must be given by hand: the export sets no model_spec for it)."""
     own = cfg.kind == TORCHTITAN and result.auto.model not in FLAVORS
-    return (f"auto's grouping ({len(result.auto.groups)} groups) is not expressible as {cfg.kind} config keys: write "
+    return (f"auto's grouping ({fmt_count(len(result.auto.groups), 'group')}) is not expressible as {cfg.kind} "
+            "config keys: write "
             f"it with --out plan.json, then `fsdp-planner export plan.json --format {fmt}`"
             + (", and set the exported parallelize_fn on your model's spec (the export sets it on torchtitan's own "
                "models only)" if own else ""))
