@@ -825,12 +825,16 @@ def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
                         ("expert_parallel_degree = 2\ntensor_parallel_degree = 2\nexpert_tensor_parallel_degree = 2\n",
                          "expert TP 1 only"),
                         # (torchtitan's rule: 1 or the TP degree; read past in silence before: a new user's trial)
-                        ("expert_parallel_degree = 2\nexpert_tensor_parallel_degree = 2\n",
+                        ("expert_parallel_degree = 2\ntensor_parallel_degree = 1\nexpert_tensor_parallel_degree = 2\n",
                          "takes 1 or the TP degree only")):
         job.write_text(f"[parallelism]\n{keys}")
         with pytest.raises(PlannerError, match=match):
             configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
                                                   "h100:8"]))
+    job.write_text("[parallelism]\ntensor_parallel_degree = 2\nexpert_tensor_parallel_degree = 4\n")  # (no EP: no
+    # effect, and torchtitan checks it under EP only)
+    assert configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                 "h100:8"]))[0].tp == 2
     job.write_text("[parallelism]\nexpert_parallel_degree = 3\n")
     with pytest.raises(PlannerError, match="expert_parallel_degree = 3 does not divide"):
         configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))

@@ -854,11 +854,11 @@ def test_model_registry_imported_under_other_names_is_read_as_its_model(tmp_path
 
 
 def test_a_registry_job_s_expert_tensor_parallel_degree_is_refused(tmp_path):
-    """torchtitan's ParallelismConfig of 2026 has no expert_tensor_parallel_degree (the TOML of before had): a
+    """torchtitan's ParallelismConfig has no expert_tensor_parallel_degree since April 2026 (c4b409a): a
     registry job setting it would be refused by torchtitan (read past in silence before: a new user's trial)."""
     _refused(tmp_path, FORMS_HEAD + "\n\ndef job() -> Trainer.Config:\n    return Trainer.Config(model_spec="
              "model_registry('8B'), parallelism=ParallelismConfig(expert_tensor_parallel_degree=1))\n",
-             "ParallelismConfig of 2026 does not have")
+             "ParallelismConfig no longer has")
 
 
 HELPERS = """

@@ -254,7 +254,7 @@ def _str(cfg: JobConfig, key: str, value: Any, choices: tuple[str, ...], exact: 
     any other spelling: "Never" was read as "never", a job torchtitan would not run; a new user's trial)."""
     if not isinstance(value, str) or value.strip().lower() not in choices:
         raise _bad(cfg, key, value, f"one of {', '.join(choices)}")
-    if exact and value.strip() != value.strip().lower():
+    if exact and value != value.strip().lower():  # (" never" too: torchtitan compares the string as written)
         raise _bad(cfg, key, value, f"one of {', '.join(choices)}, in lowercase as torchtitan compares it (it "
                    "refuses any other spelling)")
     return value.strip().lower()
@@ -547,9 +547,10 @@ def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
     etp = par.get("expert_tensor_parallel_degree", 1)  # earlier torchtitan's: EP's ranks span TP's only at 1
     if cfg.registry and "expert_tensor_parallel_degree" in par:  # (a new user's trial: read past in silence)
         raise PlannerError(f"{cfg.kind} config '{cfg.path}' sets parallelism.expert_tensor_parallel_degree, which "
-                           "torchtitan's ParallelismConfig of 2026 does not have (torchtitan would refuse the job): "
-                           "drop it (EP's ranks span the TP ranks; without EP the experts are tensor-parallel)")
-    if etp not in (1, cfg.tp):
+                           "torchtitan's ParallelismConfig no longer has (removed in April 2026, c4b409a: torchtitan "
+                           "would refuse the job): drop it (EP's ranks span the TP ranks; without EP the experts are "
+                           "tensor-parallel)")
+    if cfg.ep > 1 and etp not in (1, cfg.tp):  # (torchtitan checks it under EP only: without, it has no effect)
         raise PlannerError(f"{cfg.kind} config '{cfg.path}' sets parallelism.expert_tensor_parallel_degree = "
                            f"{shown_json(etp)} with tensor_parallel_degree {cfg.tp}: torchtitan takes 1 or the TP "
                            "degree only, and refuses the job")
