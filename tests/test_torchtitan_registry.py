@@ -850,6 +850,11 @@ def test_model_registry_imported_under_other_names_is_read_as_its_model(tmp_path
                     "attn_backend='varlen', moe_comm_backend='standard'))\n")
     llama, oss = read_config(TORCHTITAN, f"{path}:llama"), read_config(TORCHTITAN, f"{path}:oss")
     assert llama.model == "llama3-8b" and oss.model == "hf:titan-gpt-oss-debugmodel"
+    # a relative import names its model (not the file's folder), and a name imported twice is the last import's
+    path.write_text("from ..gpt_oss import model_registry as r\nfrom ..llama3 import model_registry as r\n"
+                    "from torchtitan.trainer import Trainer\n\n\n"
+                    "def llama() -> Trainer.Config:\n    return Trainer.Config(model_spec=r('8B'))\n")
+    assert read_config(TORCHTITAN, f"{path}:llama").model == "llama3-8b"
     assert not any("model_registry" in n or "model_spec" in n for n in (*llama.notes, *oss.notes))
 
 
@@ -875,16 +880,22 @@ def _kernels(config):
 def _both(config):
     _kernels(config)
     _tune(config)
+
+
+def _aliased(config):
+    p = config.parallelism
+    p.tensor_parallel_degree = 2
 """
 
 
 @pytest.mark.parametrize(("body", "says"), [
     ("    config = _base(1)\n    for k, v in {'tensor_parallel_degree': 2}.items():\n"
-     "        setattr(config.parallelism, k, v)\n    return config\n", r"\(for\) assigns setattr\(config"),
+     "        setattr(config.parallelism, k, v)\n    return config\n", r"\(for\) calls setattr\(config"),
     ("    config = _base(1)\n    _tune(config)\n    return config\n", r"\(_tune\(config\)\) hands config to a call"),
     ("    config = _base(1)\n    _both(config=config)\n    return config\n", "hands config to a call"),
     ("    config = _base(1)\n    config.parallelism.__init__(tensor_parallel_degree=2)\n    return config\n",
      "hands config.parallelism to a call"),
+    ("    config = _base(1)\n    _aliased(config)\n    return config\n", "hands config to a call"),
 ])
 def test_a_change_the_reader_does_not_run_is_refused(tmp_path, body, says):
     """A job changed by a loop or by a helper of the file the reader does not run would be simulated as another
@@ -893,9 +904,11 @@ def test_a_change_the_reader_does_not_run_is_refused(tmp_path, body, says):
     _refused(tmp_path, FORMS_HEAD + HELPERS + "\n\ndef job() -> Trainer.Config:\n" + body, says)
     path = tmp_path / "config_registry.py"
     path.write_text(FORMS_HEAD + HELPERS + "\n\ndef job() -> Trainer.Config:\n    config = _base(4)\n"
-                    "    _kernels(config)\n    print(config)\n    return config\n")
-    cfg = read_config(TORCHTITAN, f"{path}:job")
-    assert cfg.tp == 4 and sum("is not run" in n for n in cfg.notes) == 2
+                    "    _kernels(config)\n    print(config)\n    config.validate()\n    log.info(config)\n"
+                    "    replace(config, steps=1)\n    if not isinstance(config, list):\n        print(len(config))\n"
+                    "    for k in sorted(SPECIAL_TOKENS):\n        print(k)\n    return config\n")
+    cfg = read_config(TORCHTITAN, f"{path}:job")  # (calls that only read: the review's, refused before)
+    assert cfg.tp == 4 and sum("is not run" in n for n in cfg.notes) == 5
 
 
 @pytest.mark.parametrize(("spec", "read"), [

@@ -358,12 +358,11 @@ def _model_names(path: Path, tree: ast.Module) -> dict[str, str]:
     torchtitan.models.llama3 import model_registry`` (``as llama_registry`` too: a file of several models), or
     ``from . import model_registry`` in ``models/llama3/``; a file importing none, its folder's model."""
     out: dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in ast.walk(tree):  # (the file's order at its top level: a name imported twice is the last's)
         if isinstance(node, ast.ImportFrom):
             for a in node.names:
-                if a.name == "model_registry":
-                    out.setdefault(a.asname or a.name, node.module.split(".")[-1] if node.level == 0 and node.module
-                                   else path.resolve().parent.name)
+                if a.name == "model_registry":  # (``from ..llama3 import``: llama3's; ``from . import``: the folder's)
+                    out[a.asname or a.name] = node.module.split(".")[-1] if node.module else path.resolve().parent.name
     where = path.resolve().parent
     return out or {"model_registry": where.name if where.parent.name == "models" else ""}
 
@@ -602,20 +601,28 @@ def _statements(fn: ast.FunctionDef, name: str, label: str, notes: list[str],
     return scope, edits, returned
 
 
-# calls that change no job whatever they are handed (a log line)
-HARMLESS_CALLS = ("print", "logger.", "logging.", "warnings.")
+# calls that change nothing they are handed: builtins that read, a log line, a copy (``dataclasses.replace``)
+READING_CALLS = frozenset({"print", "isinstance", "len", "sorted", "str", "repr", "getattr", "hasattr", "type", "id",
+                           "format", "any", "all", "list", "tuple", "dict", "set", "replace", "dataclasses.replace",
+                           "copy.deepcopy", "copy.copy", "deepcopy"})
+LOG_METHODS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "log"})
+# the methods by which a call on a job's own object changes it in place (a list's, a dict's, a set's, an object's)
+MUTATORS = frozenset({"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "remove", "clear",
+                      "add", "discard", "sort", "reverse", "__setattr__", "__setitem__", "__init__", "__delattr__"})
 
 
 def _handed_over(call: ast.Call, scope: dict[str, ast.expr], functions: dict[str, ast.FunctionDef]) -> str | None:
-    """What of the function's own objects (``config``, ``config.parallelism``) ``call`` may change, unread: a call
-    handed one or a method of one, unless it only logs, it reaches a section that changes no step (``IGNORED``:
+    """What of the function's own objects (``config``, ``config.parallelism``) ``call`` may change, unread: a method
+    that changes its object in place (``MUTATORS``) or a call handed one, unless it only reads or logs
+    (``READING_CALLS``, ``LOG_METHODS``), it reaches a section that changes no step (``IGNORED``:
     ``config.override.imports.append``), or it is a helper of the file that changes no other (torchtitan's
     ``enable_fused_swiglu(config)``); a helper that sets a degree (``tune(config)``) would simulate another job (a
     new user's trial)."""
     func = _dotted(call.func)
-    if func == "print" or func.startswith(HARMLESS_CALLS[1:]):
+    method = call.func.attr if isinstance(call.func, ast.Attribute) else ""
+    if func in READING_CALLS or method in LOG_METHODS:
         return None
-    owner = call.func.value if isinstance(call.func, ast.Attribute) else None
+    owner = call.func.value if isinstance(call.func, ast.Attribute) and method in MUTATORS else None
     handed = [(owner, None), *((a, k) for k, a in enumerate(call.args)), *((k.value, k.arg) for k in call.keywords)]
     for node, at in handed:
         path = _dotted(node).split(".") if node is not None else [""]
@@ -631,25 +638,35 @@ def _handed_over(call: ast.Call, scope: dict[str, ast.expr], functions: dict[str
 def _helper_changes(fn: ast.FunctionDef, at: int | str, functions: dict[str, ast.FunctionDef], depth: int = 0
                     ) -> bool:
     """Whether the file's function ``fn``, handed a job as its parameter ``at`` (a position or a keyword), may
-    change a section of it the simulation reads: an assignment, ``setattr`` or method call under that parameter
-    outside ``IGNORED``, or the parameter handed on to a call that may."""
+    change a section of it the simulation reads: an assignment, ``setattr`` or changing method call under that
+    parameter or a local name for a part of it (``p = config.parallelism``) outside ``IGNORED``, or either handed
+    on to a call that may; one it cannot follow (too deep, its own caller) counts as a change."""
     names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
     param = names[at] if isinstance(at, int) and at < len(names) else at if isinstance(at, str) else None
     if param is None or depth > MAX_DEPTH:
         return True
+    held = {param}  # the parameter and the local names for its parts, to a fixed point
+    while True:
+        more = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign)
+                and _dotted(node.value).split(".")[0] in held for t in node.targets if isinstance(t, ast.Name)}
+        if more <= held:
+            break
+        held |= more
     for node in ast.walk(fn):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
             if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
         for t in targets:
+            if isinstance(t, ast.Name):
+                continue  # (a local name taking a part: followed above, not a change)
             path = _dotted(t.value if isinstance(t, ast.Subscript) else t).split(".")
-            if path[0] == param and len(path) > 1 and path[1] not in IGNORED:
+            if path[0] in held and not (path[0] == param and len(path) > 1 and path[1] in IGNORED):
                 return True
-        if isinstance(node, ast.Call) and _handed_over(node, {param: node}, {}) is not None:
+        if isinstance(node, ast.Call) and (passed := _handed_over(node, dict.fromkeys(held), {})) is not None:
             helper = functions.get(_dotted(node.func))
             if helper is None or _dotted(node.func) == fn.name:
                 return True
-            handed = [k for k, a in enumerate(node.args) if _dotted(a) == param]
-            handed += [k.arg for k in node.keywords if _dotted(k.value) == param]
+            handed = [k for k, a in enumerate(node.args) if _dotted(a) == passed]
+            handed += [k.arg for k in node.keywords if _dotted(k.value) == passed]
             if not handed or any(_helper_changes(helper, k, functions, depth + 1) for k in handed):
                 return True
     return False
@@ -657,20 +674,23 @@ def _helper_changes(fn: ast.FunctionDef, at: int | str, functions: dict[str, ast
 
 def _check_unread_block(stmt: ast.stmt, name: str, label: str, scope: dict[str, ast.expr],
                         functions: dict[str, ast.FunctionDef]) -> None:
-    """Refuse a statement the reader does not run (an ``if``, a loop, a ``with``) that assigns, sets an attribute
-    (``setattr`` by any name) or hands the function's objects to a call inside: which branch runs decides the job
-    (a degree set under ``if big:``), so reading past it would simulate another one."""
-    for node in ast.walk(stmt):
+    """Refuse a statement the reader does not run (an ``if``, a loop, a ``with``) whose body assigns, sets an
+    attribute (``setattr`` by any name) or hands the function's objects to a call that may change them: which
+    branch runs decides the job (a degree set under ``if big:``), so reading past it would simulate another one.
+    Its test or iterable only reads."""
+    body = [n for field in ("body", "orelse", "handlers", "finalbody") for n in getattr(stmt, field, ())]
+    for node in (n for part in body for n in ast.walk(part)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
             if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
         sets = isinstance(node, ast.Call) and (_dotted(node.func) == "setattr"
                                                or _handed_over(node, scope, functions) is not None)
         if targets or sets:
-            what = cut_short(ast.unparse(targets[0] if targets else node))
-            raise PlannerError(f"{label}: line {stmt.lineno} of {name} ({type(stmt).__name__.lower()}) assigns "
-                               f"{what} inside, which the reader does not run (it reads the job without running "
-                               "the function): write the job without it, one function a setting, or give the "
-                               "setting as a flag after --")
+            what = f"assigns {cut_short(ast.unparse(targets[0]))}" if targets else \
+                f"calls {cut_short(ast.unparse(node))}"
+            raise PlannerError(f"{label}: line {stmt.lineno} of {name} ({type(stmt).__name__.lower()}) {what} "
+                               "inside, which the reader does not run (it reads the job without running the "
+                               "function): write the job without it, one function a setting, or give the setting "
+                               "as a flag after --")
 
 
 def _dotted(node: ast.expr) -> str:
