@@ -257,6 +257,8 @@ def test_accelerate_left_out_is_one_line(tmp_path, text, note):
     # (with sizes whose product then falls short of num_processes: said as that before, a new user's trial)
     ("num_processes: 8\nparallelism_config:\n  parallelism_config_dp_shard_size: 4\n  parallelism_config_tp_sise: 2\n",
      "(did you mean parallelism_config_tp_size?)"),
+    ("num_processes: 8\nparallelism_config:\n  parallelism_config_dp_shard_size: 4\n  tp_size: 2\n",
+     "make their product 8 (tp_size not read: the sizes' keys are parallelism_config_<dim>_size)"),
 ])
 def test_accelerate_errors_are_one_line(tmp_path, text, error):
     with pytest.raises(PlannerError, match=re.escape(error)) as e:

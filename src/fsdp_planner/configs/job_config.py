@@ -729,9 +729,13 @@ def _check_parallelism_size(cfg: JobConfig, par: dict[str, Any]) -> None:
     total = math.prod(sizes.values())
     if cfg.world and total != 1 and total != cfg.world:
         product = " x ".join(f"{d}_size {v}" for d, v in sizes.items())
+        # a key no size reads (an unprefixed tp_size, said in a note) is why, often: name it here (a review)
+        unread = [shown_json(k)[1:-1] for k in par
+                  if k not in ACCELERATE_PARALLELISM_KEYS and k not in ACCELERATE_PARALLELISM_OPTIONS]
+        why = f" ({', '.join(unread)} not read: the sizes' keys are parallelism_config_<dim>_size)" if unread else ""
         raise PlannerError(f"accelerate config '{cfg.path}': parallelism_config's {product} make {total} ranks, and "
                            f"num_processes is {cfg.world}, which Accelerate refuses (ParallelismConfig's total_size "
-                           f"must match num_processes): make their product {cfg.world}")
+                           f"must match num_processes): make their product {cfg.world}{why}")
 
 
 def _accelerate_wrap(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
