@@ -635,7 +635,7 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
             raise PlannerError(f"{asked} must give each rank whole attention heads of {module}: its {features:,} "
                                f"output features are {features / head_dim:g} heads of {head_dim} "
                                "(the head dim its attention runs at): choose a degree that divides them")
-    _check_per_head_params(trace, tp, head_dim, linears, asked)
+    _check_per_head_params(trace, tp, layout.heads, head_dim, linears, asked)
     for module, style in tp.styles(trace.modules).items():
         _check_module(trace, module, style, d, asked)
         if trace.modules[module].output_modified:
@@ -650,26 +650,28 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
     _check_sequence_inputs(trace, tp)
 
 
-def _check_per_head_params(trace: Trace, tp: TensorParallel, head_dim: int, linears: tuple[str, ...],
-                           asked: str) -> None:
-    """Refuse a module left whole beside the Linears that split the heads when a param of it holds a row per head
-    (Cohere's q_norm and k_norm with use_qk_norm: [heads, head dim]): every rank would apply all the heads' rows
-    to its own heads (a shape error on the ranks; transformers' own plan leaves it whole too: a new user's trial)."""
-    heads = {trace.param(f"{m}.weight").shape[0] // head_dim for m in linears}
+def _check_per_head_params(trace: Trace, tp: TensorParallel, heads: tuple[int, int] | None, head_dim: int,
+                           linears: tuple[str, ...], asked: str) -> None:
+    """Refuse a module left whole (or replicated) beside the Linears that split the heads when a param of it holds
+    a row per head ([heads, head dim]: Cohere's q_norm and k_norm with use_qk_norm, which transformers' plan leaves
+    whole): every rank would apply all the heads' rows to its own heads (a shape error on the ranks: a new user's
+    trial). A Linear's weight is its style's to split, whatever its shape."""
+    counts = set(heads or ()) or {trace.param(f"{m}.weight").shape[0] // head_dim for m in linears}
     parents = {parent_of(m) for m in linears}
     styled = tp.styles(trace.modules)
     for fqn in trace.index.param_index:
         owner = fqn.rpartition(".")[0]
         shape = tuple(trace.param(fqn).shape)
-        if len(shape) >= 2 and shape[0] in heads and owner not in styled and owner not in parents and \
-                any(owner.startswith(f"{p}.") for p in parents) and \
-                not any(owner.startswith(f"{m}.") for m in styled):
-            parent = next(p for p in parents if owner.startswith(f"{p}."))
+        if len(shape) != 2 or shape[0] not in counts or shape[1] != head_dim or owner in parents or \
+                trace.modules[owner].torch_class == "Linear" or styled.get(owner, TPStyle.REPLICATE) is not \
+                TPStyle.REPLICATE or any(owner.startswith(f"{m}.") for m in styled):
+            continue
+        parent = next((p for p in parents if owner.startswith(f"{p}.")), None)
+        if parent is not None:
             raise PlannerError(f"{asked} splits {parent}'s heads, but {fqn} {list(shape)} holds a row per head and "
                                "no style shards it: each rank would apply every head's row to its own heads (a "
-                               "shape error on the ranks; transformers' plan leaves it whole too): plan it without "
-                               "tensor parallelism, or give a layout in a plan file's 'tensor_parallel' that keeps "
-                               f"{parent}'s heads whole")
+                               "shape error on the ranks): plan it without tensor parallelism, or give a layout in "
+                               f"a plan file's 'tensor_parallel' that keeps {parent}'s heads whole")
 
 
 _ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)
