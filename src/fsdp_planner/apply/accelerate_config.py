@@ -58,7 +58,10 @@ def accelerate_config(plan: Plan, precision: Precision) -> str:
               "  fsdp_state_dict_type: SHARDED_STATE_DICT",
               "  fsdp_activation_checkpointing: false  # the hook checkpoints the plan's modules before sharding; "
               "true would checkpoint again",
-              "  fsdp_cpu_ram_efficient_loading: false"]
+              # (true: only rank 0 loads a checkpoint, the others' weights empty until Accelerate's own sharding
+              # broadcasts them, which the hook's sharding does not: a user's true is not carried)
+              "  fsdp_cpu_ram_efficient_loading: false  # the hook shards the model each rank builds itself: load "
+              "a checkpoint after it (DCP), not with true"]
     if (plan.mesh is not None and plan.mesh.replicate > 1) or plan.tp_degree > 1:
         lines.append("# the hook builds the plan's (dp_replicate, dp_shard, tp) mesh itself: no parallelism_config")
     return "\n".join(lines) + "\n"
