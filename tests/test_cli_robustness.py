@@ -74,6 +74,20 @@ def no_params():
 
 def single_linear():
     return nn.Linear(8, 4), (torch.randn(4, 8),)
+
+
+class WithAux(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.aux = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def loss_on_a_head():
+    model = WithAux()
+    return model, (torch.randn(4, 8),), lambda out: model.aux(out).square().mean()
 '''
 
 
@@ -641,3 +655,12 @@ def test_an_op_of_the_loss_without_a_meta_kernel_names_loss_fn_and_the_way_out(c
     code, _, err = run_main(capsys, "plan", "tests/fixtures/invalid_models.py:ctc_loss", "--policy", "order")
     assert_one_line_error(code, err, "aten._ctc_loss in the factory's loss_fn")
     assert "top level" not in err and "a loss_fn every op of which runs on the meta device" in err
+
+
+def test_verify_nproc_refuses_a_loss_that_reads_its_model(capsys, user_models):
+    """The ranks draw each micro-batch's loss from a factory call of their own and the reference is a copy: a loss
+    closing over its factory's modules would read another model than the one trained (a new user's trial: a dtype
+    error on the ranks, or a parity that checked nothing). One line before torchrun starts."""
+    code, _, err = run_main(capsys, "verify", f"{user_models}:loss_on_a_head", "--policy", "order", "--nproc", "2")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: the factory's loss_fn reads the model it built (through 'model')")

@@ -22,7 +22,7 @@ from fsdp_planner.fmt import fmt_bytes, fmt_count, json_text
 from fsdp_planner.fsdp2.pitfalls import routing_skip_findings
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
-from fsdp_planner.models import ModelSpec
+from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS
 from fsdp_planner.planners.expert_parallel import DATA_SIZED_EXPERTS, check_dispatch_runs
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         render.note(f"--measure times the model's ops in its own dtypes, but the job trains in "
                     f"{request.options.precision.name}: add --precision fp32 to predict a job timed like them")
     options = request.options  # the job's precision: the trace's too, so a model failing in it is an error here
+    _check_loss_alone(request.model)  # (first: such a loss also fails the dtype check, for the wrong reason)
     check_model_dtypes(request.model, options.precision)  # before the trace's notes, auto's search and torchrun
     model, tr, plan = _the_job(request, predict_on)
     for finding in routing_skip_findings(routing_skips(model, tr)):  # what makes such a job fail parity, said first
@@ -163,6 +164,19 @@ def _judged(model: ModelSpec, source: PlanSource, plan: Plan) -> ModelSpec:
 
 
 RANKS_PER_CORE = 4  # more CPU ranks a core than this is said (64 on 2 cores ran without a word)
+
+
+def _check_loss_alone(spec: ModelSpec) -> None:
+    """Refuse a factory loss that reads the model it was built with: the ranks draw each micro-batch's inputs and
+    loss from a factory call of their own, and the reference is a copy, so such a loss would read another model
+    than the one it trains (a new user's CLIP: a dtype error on the ranks; a closure over an auxiliary head: a
+    parity that checked nothing)."""
+    name = load_model(spec).loss_reads_model()
+    if name is not None:
+        raise PlannerError(f"the factory's loss_fn reads the model it built (through '{name}'), and the torchrun job "
+                           "draws each micro-batch's loss from a factory call of its own: return what the loss "
+                           "needs from the model's forward (the loss a function of the outputs alone), or check the "
+                           "plan on fake ranks: --fake-world-size N")
 
 
 def _note_oversubscribed(nproc: int) -> None:

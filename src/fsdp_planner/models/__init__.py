@@ -251,6 +251,45 @@ class LoadedModel:
     own_checkpointing: tuple[str, ...] = ()  # the layers transformers' gradient checkpointing took, now off
     # (``hf.own_checkpointing_off``: the plan checkpoints)
 
+    def loss_reads_model(self) -> str | None:
+        """The name by which the loss reaches the params of the model it was built with, else None: a closure over
+        a part of it, or over the model where the loss's code names one of its submodules or params or a method
+        of its own class (``m.aux(out)``, ``m.logit_scale``, ``m.contrastive(h)``; not transformers'
+        ``model.loss_function``, which reads the config alone), or a bound method of it. Such a loss reads that
+        model's params whatever model made its input."""
+        fn = self.loss_fn
+        if fn is None:
+            return None
+        model = self.model
+        parts = {id(m) for m in model.modules()} | {id(p) for p in model.parameters()}
+        owner = getattr(fn, "__self__", None)
+        if owner is not None and id(owner) in parts:
+            return getattr(fn, "__name__", "the loss")
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return None
+        names = set(_code_names(code))
+        own = {*model._modules, *model._parameters} | {  # (the model's own methods: not a library's)
+            n for n in names for c in type(model).__mro__ if n in vars(c)
+            and not c.__module__.startswith(("torch.", "transformers."))}
+        for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if (value is model and names & own) or (value is not model and (
+                    id(value) in parts or id(getattr(value, "__self__", None)) in parts)):
+                return name
+        return None
+
+
+def _code_names(code: Any) -> Iterator[str]:
+    """The attribute and global names a function's code uses, its nested functions' too."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            yield from _code_names(const)
+
 
 class HardExit(SystemExit):
     """``os._exit`` called by a model's code (``no_hard_exit``)."""
