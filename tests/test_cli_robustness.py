@@ -85,6 +85,22 @@ class WithAux(nn.Module):
         return self.body(x)
 
 
+class KeepsAux(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.aux = y.square().mean()  # read by the loss: state a replayed call does not remake
+        return y
+
+
+def stateful_blocks():
+    model = nn.Sequential(*(KeepsAux() for _ in range(3)))
+    return model, (torch.randn(4, 8),), lambda out: out.square().mean() + sum(b.aux for b in model)
+
+
 def loss_on_a_head():
     model = WithAux()
     return model, (torch.randn(4, 8),), lambda out: model.aux(out).square().mean()
@@ -664,3 +680,14 @@ def test_verify_nproc_refuses_a_loss_that_reads_its_model(capsys, user_models):
     code, _, err = run_main(capsys, "verify", f"{user_models}:loss_on_a_head", "--policy", "order", "--nproc", "2")
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: the factory's loss_fn reads the model it built (through 'model')")
+
+
+def test_a_block_keeping_state_for_the_loss_is_told_to_trace_in_full(capsys, user_models):
+    """A block that keeps a tensor for the loss (self.aux) breaks the replay of identical calls: the error says
+    --full-trace, and check takes it as plan does (check ignored it: a new user's trial)."""
+    spec = f"{user_models}:stateful_blocks"
+    code, _, err = run_main(capsys, "plan", spec, "--policy", "order")
+    assert code == 2 and err.rstrip().endswith("a block keeping a tensor for the loss (self.aux = ...) needs "
+                                               "--full-trace"), err
+    assert run_main(capsys, "check", spec, "--full-trace")[0] in (0, 1)
+    assert run_main(capsys, "plan", spec, "--policy", "order", "--full-trace")[0] == 0

@@ -78,7 +78,7 @@ def _model(args: argparse.Namespace, options: SimOptions) -> tuple[Trace, list[F
     """The model's trace and its findings; a step that fails in the precision's compute dtype is an error finding
     (the real run crashes), the rest checked on the step in the model's own dtypes."""
     try:
-        tr = load_trace(model_spec(args), precision=options.precision)
+        tr = load_trace(model_spec(args), full=args.full_trace, precision=options.precision)
         complex_params = [p.fqn for p in tr.params if p.dtype.startswith("complex") and p.requires_grad]
         problem = complex_reduce_problem(options.precision, complex_params)  # the ranks would raise
         failed = [Finding(Severity.ERROR, Code.PRECISION, problem, "train it with --precision fp32")] if problem else []

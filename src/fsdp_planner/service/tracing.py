@@ -63,7 +63,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
             raise PlannerError(f"tracing '{spec}' failed: {failed.describe() if failed else 'an op'} {WAY_OUT}") from e
         if isinstance(e, CheckpointError):
             raise PlannerError(f"tracing '{spec}' failed: {SELF_CHECKPOINTING}") from e
-        raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}{_loss_hint(e)}") from e
+        raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}{_loss_hint(e)}"
+                           f"{'' if full else _replay_hint(e)}") from e
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
     encoder = hf.encoder_note(lm.model) if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr, lm.model),
@@ -473,6 +474,15 @@ def _loss_hint(e: Exception) -> str:
             "factory a loss_fn every op of which runs on the meta device (e.g. a cross-entropy over the same "
             "output), and train with the real one (a loss holds no params: the plan is the same, its memory may "
             "differ a little)")
+
+
+def _replay_hint(e: Exception) -> str:
+    """A second backward through a graph: what a block keeping its own state for the loss (``self.aux``, which
+    the loss reads) meets when its identical calls are traced once and replayed (a new user's trial)."""
+    if "backward through the graph a second time" not in str(e):
+        return ""
+    return ("; a repeated block is traced once and replayed by default, which assumes its forward depends on its own "
+            "state and arguments alone: a block keeping a tensor for the loss (self.aux = ...) needs --full-trace")
 
 
 def _device_hint(e: Exception) -> str:
