@@ -480,19 +480,28 @@ def _pairs(trace: Trace, parent: ModuleInfo) -> list[_Pair]:
     """The module's column-then-row pairs, where its children make them (``_pairs_layout``): its Linear children
     alone among those with params make one; beside others (a block's norms around its attention and MLP written
     inline, as a hand-written Llama block has them), each run of Linears called one after the other, with no other
-    child with params run between them, makes one where its shapes do (``_pair``: q, k, v then o; w1, w3 then w2).
-    Which of them reads which is not known from shapes: the numbers check (``check_local_shapes``) judges each
-    kind, and one whose code does not take the split is left whole."""
+    child with params (nor a norm) run between them, makes one where its shapes do (``_pair``: q, k, v then o; w1,
+    w3 then w2). Which of them reads which is not known from shapes: the numbers check (``check_local_shapes``)
+    judges each kind, and one whose code does not take the split is left whole."""
     if parent.params:
         return []
     children = [trace.modules[c] for c in parent.children if c in trace.modules]
     linears = sorted((c for c in children if c.cls == "Linear" and c.first_use >= 0), key=lambda c: c.first_use)
-    others = [c for c in children if c.cls != "Linear" and trace.index.subtree_numel.get(c.fqn, 0)]
+    # (a norm splits a run even without params: a DiT block's LayerNorm(elementwise_affine=False) between its
+    # attention and its MLP made one run of qkv, proj and fc1 before fc2: a new user's trial)
+    others = [c for c in children if c.cls != "Linear" and (trace.index.subtree_numel.get(c.fqn, 0)
+                                                            or "Norm" in c.cls)]
     if not others:
         pair = _pair(trace, parent.fqn, linears)
         return [pair] if pair else []
+    called = trace.index.boundaries_by_module  # (by first call, event positions as first_use: a norm without
+    # params reads none; a ModuleList, never called, by its subtree's first use)
+
+    def first(c: ModuleInfo) -> int:
+        return called[c.fqn][0] if called.get(c.fqn) else c.first_use
+
     runs: list[list[ModuleInfo]] = [[]]
-    for c in sorted(linears + [c for c in others if c.first_use >= 0], key=lambda c: c.first_use):
+    for c in sorted(linears + [c for c in others if first(c) >= 0], key=first):
         if c.cls == "Linear":
             runs[-1].append(c)
         elif runs[-1]:
