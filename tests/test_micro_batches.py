@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -304,6 +305,20 @@ def test_auto_says_which_split_it_kept_even_the_whole_batch(capsys):
     assert main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--batch", "2",
                  "--micro-batches", "1", "--json"]) == 0
     assert "split" not in capsys.readouterr().err
+
+
+def test_auto_keeps_a_batchnorm_model_s_batch_whole_unless_asked(capsys):
+    """A BatchNorm normalises by the batch's statistics: auto's default comparison of splits keeps the batch whole
+    and says why (a new user's U-Net at --batch 89 got 89 micro-batches of 1 without a word); asked for, it splits."""
+    spec = f"{Path(__file__).parent / 'fixtures' / 'resnet_models.py'}:build"
+    assert main(["plan", spec, "--policy", "auto", "--cluster", "h100:8", "--batch", "4", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["micro_batches"] == 1
+    assert "auto keeps --batch 4 whole: " in captured.err and "(BatchNorm)" in captured.err
+    assert "step time of each split's auto plan: 1: " in captured.err and ", 2: " not in captured.err
+    assert main(["plan", spec, "--policy", "auto", "--cluster", "h100:8", "--batch", "4", "--micro-batches", "2",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["micro_batches"] == 2
 
 
 @pytest.mark.integration  # seconds of real FSDP2 on fake ranks: the full suite runs it

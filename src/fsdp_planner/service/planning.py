@@ -217,17 +217,29 @@ def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, t
     heard: dict[int, list[str]] = {}  # each split's notes: the chosen one's are the job's (a discarded split's
     # "give --batch N" for its own TP degree misled)
 
+    norms: list[str] = []  # the whole batch's modules that normalise by batch statistics (BatchNorm's)
+
     def searched(n: int) -> AutoResult:
         one = at(n)
         quiet = dataclasses.replace(reporter, note=heard.setdefault(n, []).append)
-        return search(tracer(one.model, one.options), policy, cluster, one.options, one.model, quiet, tracer)
+        tr = tracer(one.model, one.options)
+        if n == 1:  # (searched first: ``choose_split``)
+            norms.extend(m.fqn for m in tr.modules.values() if m.running_stats)
+        return search(tr, policy, cluster, one.options, one.model, quiet, tracer)
 
     seq, chunks = job.model.workload().get("seq_len"), job.model.loss_chunks
 
-    def runs(n: int) -> bool:  # a chunked loss splits each micro-batch's tokens into equal chunks
-        return not chunks or not isinstance(seq, int) or (batch // n * seq) % chunks == 0
+    def runs(n: int) -> bool:  # a chunked loss splits each micro-batch's tokens into equal chunks; by default, a
+        # BatchNorm's statistics stay of the whole batch (a split would change what the model trains: a new user's
+        # U-Net at --batch 89 got 89 micro-batches of 1)
+        return (not norms or not job.split_by_default) and (
+            not chunks or not isinstance(seq, int) or (batch // n * seq) % chunks == 0)
 
     best, tried = choose_split(batch, searched, DEFAULT_SPLITS if job.split_by_default else MAX_SPLITS, runs)
+    if norms and job.split_by_default:
+        reporter.note(f"auto keeps --batch {batch} whole: {norms[0]}{' and others' if len(norms) > 1 else ''} "
+                      "normalise by the batch's statistics (BatchNorm), which micro-batches would change: "
+                      "--micro-batches N or auto splits it all the same")
     for line in dict.fromkeys(heard.get(best.micro_batches, ())):
         reporter.note(line)
     return at(best.micro_batches), tuple(Split(s.micro_batches, s.result.report.step_time, s.result.fits)
