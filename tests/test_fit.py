@@ -404,6 +404,40 @@ def test_fit_sequence_stops_at_learned_positions(capsys):
     assert "at each sequence length tried" in out and "at each batch tried" not in out
 
 
+OWN_POSITIONS = """
+import torch
+import torch.nn as nn
+
+
+class Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(64, 8))  # a position table of its own: no longer sequence runs
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x + self.pos[: x.shape[1]] if x.shape[1] <= 64 else x + self.pos)
+
+
+def build(batch_size: int = 2, seq_len: int = 16):
+    return Positions(), (torch.randn(batch_size, seq_len, 8),)
+"""
+
+
+def test_fit_sequence_stops_at_a_length_the_model_does_not_take(capsys, tmp_path):
+    """A model whose code takes no longer sequence than its own table (not a learned-positions module fit knows):
+    the search answers below the first length that does not trace and names it (a new user's encoder-decoder:
+    fit printed the tracing error alone, the lengths that fit with it lost)."""
+    path = tmp_path / "own_positions.py"
+    path.write_text(OWN_POSITIONS)
+    doc = run_json(capsys, "fit", f"{path}:build", "--cluster", "h100:2", "--find", "seq", "--seq", "16")
+    assert doc["seq"]["longest_without_offload"] == 64
+    assert main(["fit", f"{path}:build", "--cluster", "h100:2", "--find", "seq", "--seq", "16", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "64 (the longest the model takes: a longer one does not trace, below)" in out
+    assert "and longer were not searched: tracing" in out
+
+
 @pytest.mark.integration
 def test_offload_verdict_comes_first(capsys, tmp_path):
     """plan and fit lead with the verdict when nothing fits without CPU offload: the fewest GPUs that fit without it

@@ -300,15 +300,34 @@ def _longest_seq(request: FitRequest, points: Points) -> tuple[dict[str, Any], l
     cap = cap // step * step
     at = lambda s: (b, s, 1)  # noqa: E731
     start = min(-(-seq // split) * split, cap)  # (from the sequence given, or the first after it that splits)
-    plain = largest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), start, cap, step,
-                              SEQ_PARTS)
+    failed: dict[int, str] = {}  # longer sequences the model's code refuses (a position table of its own)
+
+    def traced(fits: Callable[[int], bool]) -> Callable[[int], bool]:
+        def guarded(s: int) -> bool:  # a length past the given one that does not trace: not one the model takes
+            if any(s >= f for f in failed):
+                return False
+            try:
+                return fits(s)
+            except PlannerError as e:
+                if s <= seq or not str(e).startswith("tracing "):
+                    raise
+                failed[s] = str(e)
+                return False
+        return guarded
+
+    plain = largest_confirmed(traced(points.screen(at, plain=True)), traced(points.fits(at, plain=True)), start,
+                              cap, step, SEQ_PARTS)
     longest = plain
     if not request.no_offload and (plain is None or plain < cap):
         after = plain + _resolution(plain, step) if plain else start
-        longest = largest_confirmed(points.screen(at), points.fits(at, past_plain=True), min(after, cap), cap, step,
-                                    SEQ_PARTS) or plain
+        longest = largest_confirmed(traced(points.screen(at)), traced(points.fits(at, past_plain=True)),
+                                    min(after, cap), cap, step, SEQ_PARTS) or plain
+    if failed:  # (a new user's encoder-decoder with 4,096 positions: the search ended on the first longer one)
+        shortest = min(failed)
+        cap = min(cap, shortest - step) // step * step
     bound = (f" (the model's {cap:,} learned positions ({limit[0]}): the longest it takes)" if limit and
-             limit[1] == cap else " (the largest tried: the search stops there)")
+             limit[1] == cap else " (the longest the model takes: a longer one does not trace, below)" if failed
+             else " (the largest tried: the search stops there)")
     if longest is None:
         lines = [f"longest sequence at batch {b:,}: none fits (not even {min(step, cap):,} tokens)"]
     elif plain is None:
@@ -323,6 +342,8 @@ def _longest_seq(request: FitRequest, points: Points) -> tuple[dict[str, Any], l
                  f"{past}: {_figures(points.at(b, plain), 'tokens')}{after_text}"]
     lines += _offload_line("sequence", plain, longest, cap, lambda s: points.at(b, s), "tokens", f" at batch {b:,}",
                            request, bound)
+    if failed:
+        lines.append(f"seq {min(failed):,} and longer were not searched: {failed[min(failed)]}")
     return {"batch": b, "longest": longest, "longest_without_offload": plain, "cap": cap}, lines
 
 
