@@ -205,6 +205,7 @@ class _Weights:
     dims: dict[int, int]
     nbytes: dict[int, int]
     by_flops: dict[int, int]  # a matmul's FLOPs -> the weight of the matmul reading it with those FLOPs
+    stacked: int = 0  # traced bytes of its largest param stacked on an expert dim (transformers' packed experts)
 
     def of(self, e: Event) -> int:
         """The weight ``e`` multiplies by: the one it reads; a weight's gradient, which reads none, the one whose
@@ -224,6 +225,12 @@ def _rank_op(e: Event, skew: float, weights: dict[str, _Weights], split: int, de
         e = e._replace(flops=int(e.flops * skew), nbytes=int(e.nbytes * skew), saved=int(e.saved * skew),
                        freed=int(e.freed * skew), out_nbytes=int(e.out_nbytes * skew),
                        grad_live=int(e.grad_live * skew))
+    w = weights.get(e.module)
+    if w is not None and w.stacked and e.backward and e.grad_live >= w.stacked and e.nbytes >= w.stacked:
+        # the backward of ``weight[e]`` (transformers' packed experts) makes a zero gradient of the whole stacked
+        # param for autograd to add into its grad: traced at all the experts, a rank's holds its E / EP (a new
+        # user's OLMoE at EP 8: +5.0% at 1,024 tokens, the peak there)
+        e = e._replace(grad_live=e.grad_live - int(w.stacked * (1 - 1 / degree)))
     if weight is not None:
         w = weights[e.module]
         e = _local_matmul(e, w.dims[weight], w.nbytes[weight], degree / split * skew, skew / split - 1 / degree)
@@ -250,7 +257,9 @@ def _expert_weights(trace: Trace, experts: Sequence[str], chosen: set[int]) -> d
     itemsize = trace.compute_itemsize
     weights = {m: _Weights({i: min(p.shape[1:]) for i, p in params.items()},
                            {i: p.numel * (itemsize or p.itemsize) for i, p in params.items()},
-                           {f: i for f, i in by_flops[m].items() if i is not None}) for m, params in own.items()}
+                           {f: i for f, i in by_flops[m].items() if i is not None},
+                           max((p.numel * (itemsize or p.itemsize) for p in params.values() if len(p.shape) >= 3),
+                               default=0)) for m, params in own.items()}
     return {name: weights[m] for name, m in inside.items() if m in weights}
 
 
