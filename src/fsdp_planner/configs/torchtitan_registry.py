@@ -645,22 +645,10 @@ def _helper_changes(fn: ast.FunctionDef, at: int | str, functions: dict[str, ast
     param = names[at] if isinstance(at, int) and at < len(names) else at if isinstance(at, str) else None
     if param is None or depth > MAX_DEPTH:
         return True
-    held = {param}  # the parameter and the local names for its parts, to a fixed point
-    while True:
-        more = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign)
-                and _dotted(node.value).split(".")[0] in held for t in node.targets if isinstance(t, ast.Name)}
-        if more <= held:
-            break
-        held |= more
+    held = _parts_named(fn, param)
     for node in ast.walk(fn):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
-            if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
-        for t in targets:
-            if isinstance(t, ast.Name):
-                continue  # (a local name taking a part: followed above, not a change)
-            path = _dotted(t.value if isinstance(t, ast.Subscript) else t).split(".")
-            if path[0] in held and not (path[0] == param and len(path) > 1 and path[1] in IGNORED):
-                return True
+        if _assigns_under(node, held, param):
+            return True
         if isinstance(node, ast.Call) and (passed := _handed_over(node, dict.fromkeys(held), {})) is not None:
             helper = functions.get(_dotted(node.func))
             if helper is None or _dotted(node.func) == fn.name:
@@ -669,6 +657,31 @@ def _helper_changes(fn: ast.FunctionDef, at: int | str, functions: dict[str, ast
             handed += [k.arg for k in node.keywords if _dotted(k.value) == passed]
             if not handed or any(_helper_changes(helper, k, functions, depth + 1) for k in handed):
                 return True
+    return False
+
+
+def _parts_named(fn: ast.FunctionDef, param: str) -> set[str]:
+    """``param`` and the local names ``fn`` gives its parts (``p = config.parallelism``), to a fixed point."""
+    held = {param}
+    while True:
+        more = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign)
+                and _dotted(node.value).split(".")[0] in held for t in node.targets if isinstance(t, ast.Name)}
+        if more <= held:
+            return held
+        held |= more
+
+
+def _assigns_under(node: ast.AST, held: set[str], param: str) -> bool:
+    """Whether ``node`` assigns an attribute or item under one of ``held``, outside ``param``'s ``IGNORED``
+    sections (a local name taking a part is no change: ``_parts_named`` follows it)."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+        if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+    for t in targets:
+        if isinstance(t, ast.Name):
+            continue
+        path = _dotted(t.value if isinstance(t, ast.Subscript) else t).split(".")
+        if path[0] in held and not (path[0] == param and len(path) > 1 and path[1] in IGNORED):
+            return True
     return False
 
 
