@@ -309,6 +309,14 @@ def test_a_factory_model_s_export_names_the_output_layer_its_plan_recorded(tmp_p
     code = tmp_path / "exported.py"
     assert run_main("export", str(out), "--format", "python", "--out", str(code)).returncode == 0
     assert "OUTPUT_LAYER: str = 'head'" in code.read_text()
+    # a plan naming another module was read past, the traced one exported (a trial's hostile plan file)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**json.loads(out.read_text()), "loss_head": "blocks.0"}))
+    r = run_main("simulate", "docs/examples/my_model.py:build", "--plan", str(other), "--cluster", "h100:8",
+                 "--loss-chunks", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "error: plan 'loss_head' names \"blocks.0\", and the model's output layer is head: give the output layer "
+        "whose logits the loss reads, or drop the key")
 
 
 def test_the_tp_export_runs_the_chunks_as_the_fake_ranks_do(tmp_path):

@@ -55,6 +55,18 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     return plan
 
 
+def check_loss_head(plan: Plan, tr: Trace) -> None:
+    """The plan's ``loss_head`` (its output layer, for a loss in chunks) is the one the model's step has: a plan
+    naming another module was read past, its exports writing the traced one (a trial's hostile plan file)."""
+    if not plan.loss_head:
+        return
+    head = output_layer(tr)
+    if head is None or head.module != plan.loss_head:
+        found = f"the model's output layer is {head.module}" if head is not None else "the model has none it can find"
+        raise PlannerError(f"plan 'loss_head' names {shown_json(plan.loss_head)}, and {found}: give the output layer "
+                           "whose logits the loss reads, or drop the key")
+
+
 def traced_otherwise(plan: Plan, tr: Trace) -> list[str]:
     """Notes on what the plan runs compiled or in chunks that this command traced otherwise: its figures are of
     the trace (``load_plan``, and ``check``'s plan file)."""
@@ -90,6 +102,7 @@ def checked_on_model(read: Plan, path: str, tr: Trace, model: ModelSpec | str,
     ``world``) a layout and int ``reshard_after_forward`` FSDP2 applies on that many ranks. A hand-written plan
     (module lists) is returned with its params derived."""
     check_hf_config(read, as_spec(model), path)  # (as read: a hand-written plan has no fingerprint until derived)
+    check_loss_head(read, tr)
     plan = _titled(with_claimed_params(read, tr))
     if (said := _filtering_nothing(plan, tr)) is not None:  # (before a refusal it may explain)
         note(said)
