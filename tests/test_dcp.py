@@ -108,6 +108,13 @@ def test_load_checkpoint_refuses_what_verify_did_not_write(capsys, tmp_path):
     assert cli.main(["verify", "seed-net", "--policy", "order", "--load-checkpoint", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (f"error: --load-checkpoint '{tmp_path}' is not a checkpoint written by verify "
                                        f"--save-checkpoint (no {META} in it)\n")
+    # a path that is not there, or a file, said so (both were "no fsdp-planner.json in it": a trial)
+    written = "is a file, not a checkpoint directory written by verify --save-checkpoint"
+    for path, said in ((tmp_path / "none", "does not exist"), (tmp_path / "file", written)):
+        if said.startswith("is a file"):
+            path.write_text("x")
+        assert cli.main(["verify", "seed-net", "--policy", "order", "--load-checkpoint", str(path)]) == 2
+        assert capsys.readouterr().err == f"error: --load-checkpoint '{path}' {said}\n"
 
 
 def _checkpoint_files(directory: Path, **meta: object) -> None:

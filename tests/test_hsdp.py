@@ -157,6 +157,7 @@ def load_traced(name: str, options: SimOptions):
 @pytest.mark.integration  # CLI subprocesses
 def test_cli_mesh_errors_are_one_line() -> None:
     for args, expected in ((["--mesh", "2by4"], "bad mesh '2by4'"),
+                           (["--mesh", "99999999999x8"], "each of REPLICATE and SHARD must be under 10,000,000 ranks"),
                            (["--mesh", "3x3"], "has 9 ranks but the job runs on 8")):
         r = run_main("plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", *args)
         assert r.returncode == 2, r.stderr

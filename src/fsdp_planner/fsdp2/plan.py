@@ -77,8 +77,10 @@ class Mesh:
     def parse(cls, text: str) -> Mesh:
         """``RxS`` (``2x4``: 2 replicas of 4-rank shard groups)."""
         left, sep, right = text.strip().lower().partition("x")
-        if not sep or not left.isdigit() or not right.isdigit() or len(left) > 7 or len(right) > 7 \
-                or int(left) < 1 or int(right) < 1:
+        if sep and left.isdigit() and right.isdigit() and (len(left) > 7 or len(right) > 7):  # (a trial: "two
+            # positive whole numbers" for two that were)
+            raise PlannerError(f"bad mesh '{text[:40]}': each of REPLICATE and SHARD must be under 10,000,000 ranks")
+        if not sep or not left.isdigit() or not right.isdigit() or int(left) < 1 or int(right) < 1:
             raise PlannerError(f"bad mesh '{text[:40]}': give REPLICATExSHARD with two positive whole numbers, e.g. "
                                "2x4 (2 replicas of 4-rank shard groups; 1xN is pure FSDP over N ranks)")
         return cls(int(left), int(right))

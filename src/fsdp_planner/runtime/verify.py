@@ -290,6 +290,9 @@ def check_save_dir(directory: Path) -> None:
 
 def check_load_dir(directory: Path, fingerprint: str) -> dict[str, Any]:
     """The checkpoint's metadata, once it is known to be one verify wrote for this model."""
+    if not directory.is_dir():  # (said as "no fsdp-planner.json in it" before: a trial)
+        raise PlannerError(f"--load-checkpoint '{directory}' " + ("is a file, not a checkpoint directory written by "
+                           "verify --save-checkpoint" if directory.exists() else "does not exist"))
     if not (directory / META).is_file():
         raise PlannerError(f"--load-checkpoint '{directory}' is not a checkpoint written by verify --save-checkpoint "
                            f"(no {META} in it)")
