@@ -220,19 +220,18 @@ class _Weights:
 def _rank_op(e: Event, skew: float, weights: dict[str, _Weights], split: int, degree: int) -> Event:
     """An op as the EP rank runs it: an expert op's work ``skew`` times the balanced share (the busiest rank's),
     an expert matmul its local experts' (``_local_matmul``)."""
-    weight = weights[e.module].of(e) if e.kernel > 0 and e.module in weights else None  # (by its traced FLOPs)
+    w = weights.get(e.module)
+    weight = w.of(e) if e.kernel > 0 and w is not None else None  # (by its traced FLOPs)
     if skew != 1.0:
         e = e._replace(flops=int(e.flops * skew), nbytes=int(e.nbytes * skew), saved=int(e.saved * skew),
                        freed=int(e.freed * skew), out_nbytes=int(e.out_nbytes * skew),
                        grad_live=int(e.grad_live * skew))
-    w = weights.get(e.module)
     if w is not None and w.stacked and e.backward and e.grad_live >= w.stacked and e.nbytes >= w.stacked:
         # the backward of ``weight[e]`` (transformers' packed experts) makes a zero gradient of the whole stacked
         # param for autograd to add into its grad: traced at all the experts, a rank's holds its E / EP (a new
         # user's OLMoE at EP 8: +5.0% at 1,024 tokens, the peak there)
         e = e._replace(grad_live=e.grad_live - int(w.stacked * (1 - 1 / degree)))
-    if weight is not None:
-        w = weights[e.module]
+    if w is not None and weight is not None:
         e = _local_matmul(e, w.dims[weight], w.nbytes[weight], degree / split * skew, skew / split - 1 / degree)
     return e
 
