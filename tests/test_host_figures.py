@@ -64,4 +64,5 @@ def test_calibrate_writes_the_measured_rate_with_its_source(tmp_path) -> None:
     c = Cluster.load(out)
     assert c.cpu_optimizer_source.startswith("calibrate --cpu-optimizer") and "of 2 ranks" in c.cpu_optimizer_source
     assert c.cpu_optimizer_rate != parse_cluster("h100:2").cpu_optimizer_rate
+    assert c.name == "h100:2+calibrated"  # a simulation's header does not read as the preset's
     assert f"{c.cpu_optimizer_rate / 1e6:,.1f} M elements/s per rank" in r.stdout

@@ -237,6 +237,8 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
     assert fit["optimizer"] is False  # verify --profile's steps run forward and backward alone
     assert fit["after_step"] == pytest.approx(fit["measured_step"], rel=0.02)
     assert fit["after_step"] == fit["after"]["step_time"] - fit["after"]["gpu_optimizer_time"]
+    # before and after are STEPs as every command writes them: no timeline, no TP keys without TP
+    assert not {"timeline", "tp_degree", "ep_degree"} & (fit["before"].keys() | fit["after"].keys())
     assert json.loads(out.read_text())["engine"] == "host"
     # the same traces given as another job's are refused, not fitted (a cluster fitted to them was written): another
     # model, another workload (its matmuls' FLOPs from their ops' shapes), another precision (FSDP2's bytes)

@@ -35,6 +35,7 @@ from fsdp_planner.hardware.cluster import (
     MAX_WORLD_SIZE,
     Cluster,
     Fits,
+    calibrated_name,
     preset_cluster,
     with_fits,
 )
@@ -505,5 +506,4 @@ def calibrate(
     table: Fits = {}
     for f in fits:
         table.setdefault(f.kind, {})[f.ranks] = (f.alpha, f.bus_bandwidth)
-    name = cluster.name if cluster.name.endswith("+calibrated") else f"{cluster.name}+calibrated"
-    return with_fits(cluster, table, name=name)
+    return with_fits(cluster, table, name=calibrated_name(cluster.name))

@@ -22,7 +22,7 @@ from fsdp_planner.cli.commands import CALIBRATE_BASE as DEFAULT_BASE
 from fsdp_planner.cli.paths import output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text, printable
-from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optimizer_rate
+from fsdp_planner.hardware.cluster import Cluster, calibrated_name, parse_cluster, with_cpu_optimizer_rate
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         cluster, measured = _with_measured_overhead(cluster)
         if not args.json:
             render.console.print(render.overhead_table(measured))
+    # whichever figure was measured (--compute or --cpu-optimizer alone too), the file is no longer the preset
+    cluster = dataclasses.replace(cluster, name=calibrated_name(cluster.name))
     _save(cluster, out)
     if args.json:
         print(json_text({"out": str(out), "cluster": cluster.to_dict(),
@@ -89,8 +91,7 @@ def _with_measured_overhead(cluster: Cluster) -> tuple[Cluster, OverheadMeasurem
         render.note(f"no GPU here: copy bandwidth measured on the CPU ({overhead.copy_bandwidth / 1e9:.1f} GB/s) "
                     f"is not used; the cluster's {cluster.overhead.copy_bandwidth / 1e9:.0f} GB/s is kept")
         overhead = dataclasses.replace(overhead, copy_bandwidth=cluster.overhead.copy_bandwidth)
-    name = cluster.name if cluster.name.endswith("+calibrated") else f"{cluster.name}+calibrated"
-    return dataclasses.replace(cluster, overhead=overhead, name=name), m
+    return dataclasses.replace(cluster, overhead=overhead), m
 
 
 def run_gloo(args: argparse.Namespace) -> int:

@@ -50,9 +50,11 @@ def run_trace(args: argparse.Namespace) -> int:
         _note_raised_peaks(base, cluster)
     cluster.save(out)
     if args.json:
-        compared = {"before_step": fit.before_step, "after_step": fit.after_step}  # as the measured steps ran
+        # before and after as every STEP is written (StepReport.summary), and the steps as the measured ones ran
+        steps = {"before": fit.before.summary(), "after": fit.after.summary(), "before_step": fit.before_step,
+                 "after_step": fit.after_step}
         print(json_text({"out": str(out), "cluster": cluster.to_dict(),
-                         "fit": render.json_ready({**asdict(fit), **compared})}, indent=2))
+                         "fit": render.json_ready({**asdict(fit), **steps})}, indent=2))
         return 0
     for table in fit_tables(fit):
         render.console.print(table)

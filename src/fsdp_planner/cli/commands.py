@@ -238,8 +238,10 @@ def cost(sub: Subparsers) -> None:
 
 
 def calibrate(sub: Subparsers) -> None:
-    sp = sub.add_parser("calibrate", help="fit latency and bandwidth from nccl-tests logs, and FSDP2's per-group "
-                                          "overhead on this machine (--overhead)")
+    sp = sub.add_parser("calibrate", help="fit a cluster file: links from nccl-tests logs, FSDP2's host overhead "
+                                          "(--overhead), this machine's gloo ranks (--backend gloo), kernels "
+                                          "(--compute), the CPU optimizer (--cpu-optimizer), or a profiler trace "
+                                          "of your job (--trace)")
     sp.add_argument("logs", nargs="*", help="all_gather_perf / reduce_scatter_perf output files")
     sp.add_argument("--overhead", action="store_true",
                     help="time real FSDP2 (fake process group, tiny layers) on this machine's GPU, or CPU when it "

@@ -781,6 +781,14 @@ def preset_cpu_optimizer(key: str) -> dict[str, Any]:
                                     "elements/s per core measured on a 2-core host (benchmarks/cpu_adamw.md)"}
 
 
+CALIBRATED = "+calibrated"  # a cluster name's suffix once any of its figures was measured (calibrate)
+
+
+def calibrated_name(name: str) -> str:
+    """``name`` marked as calibrated, once: a simulation's header tells a calibrated file from its preset."""
+    return name if name.endswith(CALIBRATED) else f"{name}{CALIBRATED}"
+
+
 def with_cpu_optimizer_rate(cluster: Cluster, rate: float | None, source: str) -> Cluster:
     """``cluster`` with the host's optimizer rate the user gave (``--cpu-optimizer-rate``); None: as it is."""
     if rate is None:
