@@ -665,6 +665,24 @@ def test_the_numeric_check_judges_a_root_pair_and_leaves_random_forwards_unjudge
     assert any("not checked on numbers in 0, 1 (its forward draws random numbers)" in n for n in notes), notes
 
 
+def test_a_masked_block_is_judged_with_its_mask_all_false_where_all_true_gives_nan():
+    """A block taking a key padding mask ran its check with the mask all true: every key masked, its output NaN, and
+    NaN != NaN read as "its forward draws random numbers": a softmax between its Linears was accepted unjudged and a
+    bf16 verify passed it (a new user's finding). The mask is now all false where all true gives NaN: the softmax
+    is refused, the GELU pair judged sound with no note."""
+    from fsdp_planner.service.planning import Reporter, requested_layout
+
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
+    request = PolicyRequest(PolicyName.TITAN, tp=2)
+    wrong = ModelSpec(f"{fixtures}:masked_softmax")
+    with pytest.raises(PlannerError, match=r"computes something else on this model: blocks\.0 \(_MaskedBlock\)"):
+        requested_layout(trace_spec(wrong), request, wrong, H100_8, Reporter())
+    sound = ModelSpec(f"{fixtures}:masked")
+    notes: list[str] = []
+    assert requested_layout(trace_spec(sound), request, sound, H100_8, Reporter(notes.append)).degree == 2
+    assert not any("not checked on numbers" in n for n in notes), notes
+
+
 # -- options --------------------------------------------------------------------------------------------------------
 def test_tp_through_the_validator():
     job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True, compile=True), Spelling.API)

@@ -11,7 +11,8 @@ else; in bf16 the drift it makes can hide within a short verify's bound (a new u
 (``tracing.check_local_shapes``) cannot see it.
 
 The module's inputs are random tensors of the shapes and dtypes its call took in the traced step (integers zero,
-booleans true), a batch of one and a short sequence where the inputs tell them (``_samples``); params and
+booleans true, or false where true makes the output not finite: a key padding mask all true masks every key), a
+batch of one and a short sequence where the inputs tell them (``_samples``); params and
 buffers are random. Not judged
 (``Unchecked``, said in a note): a module larger than the last tier's params, one that cannot be copied, whose inputs
 are not tensors, Python scalars, None or tuples and dicts of them, whose forward draws random numbers (two whole runs
@@ -130,20 +131,36 @@ def check_module(name: str, module: nn.Module, styles: Mapping[str, TPStyle], de
 
 def _judged(name: str, module: nn.Module, styles: Mapping[str, TPStyle], degree: int, inputs: Any, tier: Tier
             ) -> Verdict:
-    """``check_module``'s run of ``module`` on ``inputs`` in ``tier`` (what the module raises propagates)."""
+    """``check_module``'s run of ``module`` on ``inputs`` in ``tier`` (what the module raises propagates). Boolean
+    inputs are all true, then all false where that run's output is not finite: a mask's meaning is the module's
+    (a key padding mask all true masks every key, an SDPA mask all false does), and a NaN output hides a mismatch."""
     whole = _materialized(module, tier.dtype)
-    with torch.no_grad():
-        expected, again = _output(whole, inputs, SEED), _output(whole, inputs, SEED + 1)
-        if len(expected) != len(again) or any(not torch.equal(a, b) for a, b in zip(expected, again, strict=True)):
-            return Unchecked(name, "its forward draws random numbers")
-        got = _ranks_output(whole, styles, degree, inputs)
-    if [t.shape for t in got] != [t.shape for t in expected]:
-        return Unchecked(name, "it returns a tensor of the features TP splits, whose use is its caller's")
-    if not all(torch.isfinite(t).all() for t in (*expected, *got)):
-        return Unchecked(name, "its output on random values is not finite")
-    error = max((float((e - g).abs().max()) / max(float(e.abs().max()), 1e-30) for e, g in
-                 zip(expected, got, strict=True) if e.numel()), default=0.0)
-    return Mismatch(name, error) if error > tier.rtol else None
+    masks = any(x.dtype == torch.bool for x in _specs(inputs))
+    verdict: Verdict = None
+    for fill in (True, False) if masks else (True,):
+        with torch.no_grad():
+            expected, again = _output(whole, inputs, SEED, fill), _output(whole, inputs, SEED + 1, fill)
+            if not _alike(expected, again):  # (NaN where the first run has NaN is alike: not a random draw)
+                return Unchecked(name, "its forward draws random numbers")
+            if not all(torch.isfinite(t).all() for t in expected):
+                verdict = Unchecked(name, "its output on random values is not finite" + (
+                    " with its boolean inputs all true or all false" if masks else ""))
+                continue
+            got = _ranks_output(whole, styles, degree, inputs, fill)
+        if [t.shape for t in got] != [t.shape for t in expected]:
+            return Unchecked(name, "it returns a tensor of the features TP splits, whose use is its caller's")
+        if not all(torch.isfinite(t).all() for t in got):  # finite whole, not on the ranks: the layout's doing
+            return Mismatch(name, math.inf)
+        error = max((float((e - g).abs().max()) / max(float(e.abs().max()), 1e-30) for e, g in
+                     zip(expected, got, strict=True) if e.numel()), default=0.0)
+        return Mismatch(name, error) if error > tier.rtol else None
+    return verdict
+
+
+def _alike(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Two runs' outputs equal, NaN for NaN."""
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x.isnan(), y.isnan())
+                                    and torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(a, b, strict=True))
 
 
 def _materialized(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -207,9 +224,9 @@ def _specs(value: Any) -> Iterator[TensorSpec]:
             yield x
 
 
-def _stand_in(value: Any, dtype: torch.dtype) -> Any:
-    """Random tensors for ``value``'s specs (floating ones in ``dtype``), the same on every call (each run gets its
-    own copies: a module may change its inputs in place)."""
+def _stand_in(value: Any, dtype: torch.dtype, fill: bool) -> Any:
+    """Random tensors for ``value``'s specs (floating ones in ``dtype``, booleans ``fill``, integers zero), the same
+    on every call (each run gets its own copies: a module may change its inputs in place)."""
     generator = torch.Generator().manual_seed(SEED)
 
     def one(x: Any) -> Any:
@@ -218,24 +235,25 @@ def _stand_in(value: Any, dtype: torch.dtype) -> Any:
         if x.dtype.is_floating_point:
             return torch.randn(x.shape, generator=generator, dtype=dtype)
         if x.dtype == torch.bool:
-            return torch.ones(x.shape, dtype=torch.bool)
+            return torch.full(x.shape, fill, dtype=torch.bool)
         return torch.zeros(x.shape, dtype=x.dtype)
     return tree_map(one, value)
 
 
-def _output(module: nn.Module, inputs: tuple[Any, Any], seed: int,
+def _output(module: nn.Module, inputs: tuple[Any, Any], seed: int, fill: bool,
             params: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The floating tensors of one run's output, on fresh stand-ins and under ``seed`` (``params``: some of the
-    module's params replaced, as a TP rank holds them)."""
+    """The floating tensors of one run's output, on fresh stand-ins (boolean ones ``fill``) and under ``seed``
+    (``params``: some of the module's params replaced, as a TP rank holds them)."""
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float64)
-    args, kwargs = _stand_in(inputs, dtype)
+    args, kwargs = _stand_in(inputs, dtype, fill)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         out = functional_call(module, dict(params or {}), tuple(args), kwargs, strict=False)
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _ranks_output(whole: nn.Module, styles: Mapping[str, TPStyle], degree: int, inputs: Any) -> list[torch.Tensor]:
+def _ranks_output(whole: nn.Module, styles: Mapping[str, TPStyle], degree: int, inputs: Any, fill: bool
+                  ) -> list[torch.Tensor]:
     """Rank 0's output when every rank runs its shard of ``whole`` and each rowwise Linear's output is the sum of
     the ranks' (its bias added once). The ranks run one after another: a pass stops each rank at its first rowwise
     call whose sum is not known yet, and sums the ranks' partial outputs there; so a module calling k rowwise
@@ -244,7 +262,7 @@ def _ranks_output(whole: nn.Module, styles: Mapping[str, TPStyle], degree: int, 
     rows = [n for n, s in styles.items() if s is TPStyle.ROWWISE]
     sums: list[torch.Tensor] = []
     for _ in range(MAX_ROWWISE_CALLS + 1):
-        runs = [_run(whole, shard, rows, sums, inputs) for shard in shards]
+        runs = [_run(whole, shard, rows, sums, inputs, fill) for shard in shards]
         if all(isinstance(r, list) for r in runs):
             return runs[0]
         if not all(isinstance(r, tuple) for r in runs):
@@ -253,8 +271,8 @@ def _ranks_output(whole: nn.Module, styles: Mapping[str, TPStyle], degree: int, 
     raise ValueError(f"more than {MAX_ROWWISE_CALLS} rowwise calls in one forward")
 
 
-def _run(whole: nn.Module, shard: dict[str, torch.Tensor], rows: list[str], sums: list[torch.Tensor], inputs: Any
-         ) -> list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
+def _run(whole: nn.Module, shard: dict[str, torch.Tensor], rows: list[str], sums: list[torch.Tensor], inputs: Any,
+         fill: bool) -> list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
     """One pass of one rank: its rowwise calls' outputs replaced by (copies of) the sums known, in call order; its
     output, or, where it reaches a call past them, that call's (partial output without the bias, bias)."""
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -268,7 +286,7 @@ def _run(whole: nn.Module, shard: dict[str, torch.Tensor], rows: list[str], sums
 
     handles = [whole.get_submodule(n).register_forward_hook(hook) for n in rows]
     try:
-        return _output(whole, inputs, SEED, shard)
+        return _output(whole, inputs, SEED, fill, shard)
     except _Stop:
         return calls[-1]
     finally:

@@ -4,6 +4,7 @@ under the spec's attention kernel and routing capacity, each failure one sentenc
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable
 from copy import deepcopy
@@ -260,8 +261,10 @@ def _numbers_checked(whole: dict[str, nn.Module | tp_numerics.Unchecked], styles
             verdict = tp_numerics.check_module(name, module, mine, degree, *call)
         shown = name or "(root)"
         if isinstance(verdict, tp_numerics.Mismatch):
+            differs = "is not finite where its whole run is" if math.isinf(verdict.error) else \
+                f"differs from its whole run by {verdict.error:.1e} of its output"
             reason = (f"{shown} ({type(module).__name__}) run as {degree} TP ranks run it (each rowwise output "
-                      f"summed over them) differs from its whole run by {verdict.error:.1e} of its output (an op "
+                      f"summed over them) {differs} (an op "
                       "between its colwise and rowwise Linears mixes the features TP splits: a softmax or norm over "
                       "them, or a view into a fixed head count whose size is inferred)")
             raise LayoutDoesNotRun(f"{layout} computes something else on this model: {reason}: {fix}", reason)
