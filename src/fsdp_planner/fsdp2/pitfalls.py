@@ -51,6 +51,7 @@ class Code(Enum):
     TIED_ACROSS_GROUPS = "tied-across-groups"
     LIST_GROUP_REUSE = "list-group-reuse"
     LIST_GROUP_AFTER_FORWARD = "list-group-after-forward"  # a list group's module called after the model's forward
+    LIST_GROUP_UNUSED = "list-group-unused"  # a list group's module the step never calls
     MIXED_DTYPE_GROUP = "mixed-dtype-group"
     MIXED_DTYPE_MODULE = "mixed-dtype-module"
     CONTAINER_GROUP = "container-group"
@@ -396,6 +397,15 @@ def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
                                "loss's call (a list group's hooks follow each module's forward), which the "
                                "prediction does not replay (an all-gather more a step on a new user's model)",
                                f"shard {_path(m)} in a group of its own (fully_shard({_name(m)}))", m))
+        for m in (m for m in g.modules if trace.modules[m].unused):
+            out.append(Finding(Severity.WARNING, Code.LIST_GROUP_UNUSED,
+                               f"{_path(m)} is never used in the step, inside list group {i} "
+                               f"({fmt_modules(g.modules)}): the root's post-forward completes the group's forward "
+                               "and hooks its pre-backward on each of the root's outputs, and an output whose grad "
+                               "arrives after the group's post-backward gathers it again, which the prediction "
+                               "does not replay (an all-gather more a step on a new user's model)",
+                               f"shard {_path(m)} in a group of its own (fully_shard({_name(m)})), never gathered",
+                               m))
         for m in g.modules:
             calls = trace.modules[m].calls - methods.get(m, 0)
             if calls > 1:

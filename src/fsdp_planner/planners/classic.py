@@ -127,9 +127,13 @@ class TorchtitanPolicy:
         tied_pre = [s for s in pre if subtree[s] & post_params]
         groups: list[list[str]] = [[s] for s in pre if s not in tied_pre] + [[b] for b in blocks]
         reshard: list[ReshardAfterForward] = [True] * len(groups)
+        unused = [s for s in post if trace.modules[s].unused]  # each alone (ModuleInfo.unused: why)
+        post = [s for s in post if s not in unused]
         if post or tied_pre:
             groups.append(tied_pre + post)
             reshard.append(False)
+        groups += [[s] for s in unused]
+        reshard += [True] * len(unused)
         return make_plan(trace, groups, reshard, policy=f"{self.name}({block_cls})", model=model)
 
     @staticmethod

@@ -138,8 +138,9 @@ class ExecutionOrderPolicy:
         runs: list[Run] = []
         for mods, nbytes in atoms:
             # a module called more than once keeps a group of its own: FSDP2 can fail in backward when a module
-            # of a list group is reused later in the step (pytorch#183702)
-            alone = any(trace.modules[m].calls > 1 for m in mods)
+            # of a list group is reused later in the step (pytorch#183702); so does an unused one (never gathered
+            # alone; in a list group, gathered again in backward: ModuleInfo.unused)
+            alone = any(trace.modules[m].calls > 1 for m in mods) or all(trace.modules[m].unused for m in mods)
             if runs and not alone and not runs[-1].alone and runs[-1].nbytes + nbytes <= target:
                 runs[-1] = Run(runs[-1].modules + mods, runs[-1].nbytes + nbytes)
             else:

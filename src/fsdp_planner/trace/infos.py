@@ -74,5 +74,13 @@ class ModuleInfo:
     # (``_can_record_outputs``: hidden states, attentions), which transformers looks up by str(module.__class__)
 
     @property
+    def unused(self) -> bool:
+        """No forward op reads its subtree's params. In a list group such a module leaves the group's forward
+        incomplete, which the root's post-forward completes by hooking the group's pre-backward on each of the
+        root's outputs: an output whose grad arrives after the group's post-backward (hidden states a loss also
+        reads) gathers the group again, one all-gather the replay does not make (measured on a new user's model)."""
+        return self.first_use < 0
+
+    @property
     def depth(self) -> int:
         return depth(self.fqn)
