@@ -665,9 +665,9 @@ def test_export_of_an_ep_plan_compiles_and_names_its_degree(fmt: str) -> None:
         export_plan(plan.with_group(1, forward_prefetch=[3]), ExportFormat(fmt))
 
 
-def exported_and_applied(plan: Plan, world: int = 4) -> list[dict]:
+def exported_and_applied(plan: Plan, world: int = 4, model: str = TINY) -> list[dict]:
     """Each param's (placements, local shape, mesh dims) after the exported ``apply`` and after ``apply_plan`` of
-    ``plan`` on the tiny MoE on ``world`` fake ranks, a training step run after each."""
+    ``plan`` on ``model`` (the tiny MoE) on ``world`` fake ranks, a training step run after each."""
     from fsdp_planner.apply.export import ExportFormat, export_plan
     from fsdp_planner.apply.fully_shard import apply_plan
     from fsdp_planner.apply.tensor_parallel import loss_context
@@ -678,12 +678,14 @@ def exported_and_applied(plan: Plan, world: int = 4) -> list[dict]:
     shards = []
     with fake_process_group(world):
         for shard in (lambda m: scope["apply"](m), lambda m: apply_plan(m, plan)):
-            lm = load_model(TINY, meta=False)
+            lm = load_model(model, meta=False)
             shard(lm.model)
             shards.append({n: (p.placements, tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
                            for n, p in lm.model.named_parameters()})
+            inputs = lm.example_inputs  # (a transformers model's are keywords)
             with loss_context(plan):
-                lm.loss_fn(lm.model(*lm.example_inputs)).backward()
+                out = lm.model(**inputs) if isinstance(inputs, dict) else lm.model(*inputs)
+                lm.loss_fn(out).backward()
     return shards
 
 
@@ -716,6 +718,38 @@ def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int, dim1:
     else:  # HSDP: the experts replicated over dp_replicate, sharded over dp_shard / EP = 1 rank, EP's Shard(0)
         assert len(placements) == 3 and dims == ("dp_replicate", "dp_shard_mod_ep", "ep") and local[0] == 8 // 2
         assert shards[0]["layers.0.attention.wq.weight"][2] == ("dp_replicate", "dp_shard")
+
+
+@pytest.mark.integration  # EP + FSDP2 twice on 4 fake ranks: a few seconds
+def test_experts_one_call_holds_together_on_a_per_param_mesh_export(tmp_path) -> None:
+    """On a per-param mesh the experts of one call share its second param group: a plan whose call holds two blocks
+    lists their experts modules in one group (auto's, on a new user's Qwen2-MoE), which verify passed and export
+    refused ("not a group of its own ... (as --ep does)"). It exports, and the exported apply shards as apply_plan
+    does; with the experts' own calls (per_param_mesh false) such a group is still refused."""
+    model = _tiny_qwen3_moe(tmp_path)
+    made = tmp_path / "titan.json"
+    r = run_main("plan", model, "--policy", "titan", "--ep", "2", "--cluster", "h100:4", "--out", str(made))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(made.read_text())
+    assert data["expert_parallel"]["per_param_mesh"] is True
+    by = {tuple(g["modules"]): g for g in data["groups"]}
+    for pair in ((("model.layers.0",), ("model.layers.1",)),
+                 (("model.layers.0.mlp.experts",), ("model.layers.1.mlp.experts",))):
+        first, second = by[pair[0]], by[pair[1]]
+        first["modules"] += second["modules"]
+        first["params"] += second["params"]
+        data["groups"].remove(second)
+    merged = tmp_path / "merged.json"
+    merged.write_text(json.dumps(data))
+    r = run_main("export", str(merged), "--format", "python", "--out", str(tmp_path / "merged.py"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    shards = exported_and_applied(Plan.load(merged), model=model)
+    assert shards[0] == shards[1]
+    assert shards[0]["model.layers.1.mlp.experts.gate_up_proj"][2] == ("dp_shard_mod_ep", "ep")
+    data["expert_parallel"]["per_param_mesh"] = False
+    merged.write_text(json.dumps(data))
+    r = run_main("export", str(merged), "--format", "python", "--out", str(tmp_path / "own.py"))
+    assert r.returncode == 2 and "is not a group of its own, and this plan (per_param_mesh false)" in r.stderr
 
 
 @pytest.mark.parametrize("degree", [2, 4, 8])

@@ -11,7 +11,7 @@ from torch import nn
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches, check_same_model, short_list, with_claimed_params
-from fsdp_planner.fsdp2.expert_groups import check_expert_groups
+from fsdp_planner.fsdp2.expert_groups import alone_refusal, check_expert_groups
 from fsdp_planner.fsdp2.float8 import OUTPUT_HEAD_FQNS
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
@@ -183,13 +183,9 @@ def checked_modules(plan: Plan) -> dict[str, nn.Module] | None:
     if unknown:
         raise PlannerError(f"the plan names modules {plan.model} does not have: {short_list(unknown)} (an edited "
                            "plan file, or one made for another model): make it again with plan --out")
-    if plan.expert_parallel is not None:
-        alone = {g.modules[0] for g in plan.groups if len(g.modules) == 1}
-        apart = [e for e in plan.expert_parallel.experts(modules) if e not in alone]
-        if apart:
-            raise PlannerError(f"the plan's expert module {apart[0]} is not a group of its own, but expert "
-                               "parallelism shards the experts over the EP-reduced mesh: give each expert module "
-                               "its own group (as --ep does)")
+    ep = plan.expert_parallel
+    if ep is not None and not ep.per_param_mesh and (said := alone_refusal(plan, ep.experts(modules))) is not None:
+        raise PlannerError(said)  # (on a per-param mesh the experts one call holds share its second param group)
     return modules
 
 
