@@ -752,6 +752,24 @@ def test_experts_one_call_holds_together_on_a_per_param_mesh_export(tmp_path) ->
     assert r.returncode == 2 and "is not a group of its own, and this plan (per_param_mesh false)" in r.stderr
 
 
+@pytest.mark.integration  # real EP + FSDP2 on 4 fake ranks, then 2 gloo ranks under torchrun: ~30 s
+def test_experts_written_as_a_loop_run_on_their_local_shards(tmp_path) -> None:
+    """An experts module looping over its experts (``range(self.w1.shape[0])``, ``x[e] @ self.w1[e]``) failed on
+    every rank: it saw its params and input as DTensors, whose shapes are the global ones (a new user's, following
+    the README's advice). It runs on its local shards now, as torchtitan's GroupedExperts reads them: on fake ranks
+    every count and byte exact (the all-to-alls sized from the call's input, which no batched matmul gives here),
+    and on gloo with parity."""
+    spec = "tests/fixtures/ep_moe.py:looped_tiny_mixtral"
+    r = run_main("verify", spec, "--policy", "titan", "--ep", "2", "--fake-world-size", "4", "--json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["counts_and_bytes_exact"] and abs(result["peak_error"]) <= 0.05
+    assert result["measured"]["ep_all_to_all_bytes"] > 0
+    r = run_main("verify", spec, "--policy", "titan", "--ep", "2", "--nproc", "2", "--steps", "2", "--json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert json.loads(r.stdout)["ok"]
+
+
 @pytest.mark.parametrize("degree", [2, 4, 8])
 def test_an_ep_rank_s_expert_matmuls_are_its_local_experts(degree: int) -> None:
     """Under EP a rank's E / EP experts each multiply the rows all EP ranks route to them: the matmul's smallest

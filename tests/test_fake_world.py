@@ -668,7 +668,7 @@ def test_a_module_the_step_never_calls_is_sharded_alone(policy: str) -> None:
     assert measured.counts["all_gather"] == predicted.all_gathers
     assert measured.nbytes["all_gather"] == predicted.all_gather_bytes
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
-    listed = make_plan(tr, [gs + ["aux_head"] if gs == ["norm", "head"] else gs for gs in groups if gs != ["aux_head"]])
+    listed = make_plan(tr, [[*gs, "aux_head"] if gs == ["norm", "head"] else gs for gs in groups if gs != ["aux_head"]])
     found = [f for f in plan_findings(tr, listed) if f.code.value == "list-group-unused"]
     assert [(f.severity, f.module) for f in found] == [(Severity.WARNING, "aux_head")]
     assert not any(f.code.value == "list-group-unused" for f in plan_findings(tr, plan))

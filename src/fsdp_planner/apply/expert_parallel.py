@@ -11,8 +11,8 @@ same meshes, params and FSDP2 groups, its all-to-all dispatch of every (token, e
 
 The expert modules take (E, tokens per expert, dim) and give the same shape (``models/moe.py``'s
 ``GroupedExperts``): the dispatch turns one rank's (E, n, dim) into its local experts' (E / EP, EP x n, dim), the
-tokens every EP rank routed to them, wrapped as a DTensor sharded on the expert dim so the module's batched
-matmuls with its ``Shard(0)`` params run locally; the combine reverses it. With TP (torchtitan's expert TP of 1)
+tokens every EP rank routed to them, and the module runs on its params' local shards (``on_local_shards``, as
+torchtitan's GroupedExperts reads them); the combine reverses it. With TP (torchtitan's expert TP of 1)
 EP's ranks are dp_shard x tp ranks: each TP rank dispatches its 1/TP of each expert's rows and puts the combined
 ones back among the whole layer's (``TPStyle.TOKEN_SPLIT``), the MoE layer's other styles applied by ``apply_tp``
 after the experts are distributed.
@@ -20,6 +20,7 @@ after the experts are distributed.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -45,7 +46,6 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: Any, split: int = 1) -> tu
     ``split`` > 1 (EP x TP): this TP rank's 1/``split`` of each expert's rows only (the TP ranks are the innermost
     of EP's, so a rank's place among its TP group is its EP rank mod ``split``)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
-    from torch.distributed.tensor import DTensor, Shard
 
     x, *rest = inputs
     ep = mesh.size()
@@ -62,16 +62,16 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: Any, split: int = 1) -> tu
         x = x[:, at:at + rows]
     e, n, dim = x.shape
     got = all_to_all_single_autograd(x.contiguous().view(e * n, dim), None, None, mesh)
-    local = got.view(ep, e // ep, n, dim).transpose(0, 1).reshape(e // ep, ep * n, dim)
-    return (DTensor.from_local(local, mesh, [Shard(0)], run_check=False), *rest)
+    return (got.view(ep, e // ep, n, dim).transpose(0, 1).reshape(e // ep, ep * n, dim), *rest)
 
 
 def _combine(module: nn.Module, out: Any, mesh: Any, split: int = 1) -> torch.Tensor:
     """The experts' (E / EP, EP x n, dim) rows back to the ranks that routed them: (E, n, dim); ``split`` > 1:
     put among the whole layer's rows, zeros for the other TP ranks' (the layer's output is partial over TP)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torch.distributed.tensor import DTensor
 
-    local = out.to_local()
+    local = out.to_local() if isinstance(out, DTensor) else out
     ep = mesh.size()
     e_local, rows, dim = local.shape
     n = rows // ep
@@ -92,6 +92,29 @@ def _hooks(split: int) -> tuple[Any, Any]:
         return _combine(module, out, mesh, split)
 
     return dispatch, combine
+
+
+def on_local_shards(module: nn.Module) -> None:
+    """The experts module's forward run on this rank's shards: its params' local tensors while it runs (``to_local``,
+    a view whose grad flows back to the DTensor param, as torchtitan's GroupedExperts reads them), its input the
+    dispatch's local rows. So any experts module runs, its batched matmuls or a loop over its experts
+    (``range(x.shape[0])`` or ``range(self.w1.shape[0])``: E / EP of them here); with DTensors, a loop's shapes were
+    the global ones and failed on every rank (a new user's finding)."""
+    from torch.distributed.tensor import DTensor
+
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def local(*args: Any, **kwargs: Any) -> Any:
+        held = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+        try:
+            for n, p in held.items():  # (FSDP2 set these, unsharded, before the call: swapped back after it)
+                module._parameters[n] = p.to_local()
+            return forward(*args, **kwargs)
+        finally:
+            module._parameters.update(held)
+
+    module.forward = local
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: Any) -> None:
@@ -187,6 +210,7 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
             distribute_experts(modules[name], ep, own_batch)
         else:
             distribute_module(modules[name], ep, _shard_experts, *_hooks(split))
+            on_local_shards(modules[name])
         if mesh_info is not None:  # sharded by its block's fully_shard call, on the EP-reduced mesh
             placements.update(_per_param_placements(modules[name], name, plan, mesh_info))
             continue

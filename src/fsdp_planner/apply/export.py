@@ -920,12 +920,32 @@ def expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
                                                        requires_grad=p.requires_grad))
 
     distribute_module(module, ep_mesh, shard, _dispatch, _combine)
+    _on_local_shards(module)
+
+
+def _on_local_shards(module: nn.Module) -> None:
+    """The module's forward run on its params' local shards (to_local: E / EP_DEGREE experts, their grads flowing
+    back to the sharded params), its input the dispatch's local rows: batched matmuls and loops over the experts
+    alike, as torchtitan's GroupedExperts reads its params."""
+    from torch.distributed.tensor import DTensor
+
+    forward = module.forward
+
+    def local(*args: Any, **kwargs: Any) -> Any:
+        held = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+        try:
+            for n, p in held.items():
+                module._parameters[n] = p.to_local()
+            return forward(*args, **kwargs)
+        finally:
+            module._parameters.update(held)
+
+    module.forward = local
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
     """(E, n, dim) rows on this rank -> its local experts' (E / EP, EP x n, dim) rows from every EP rank."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
-    from torch.distributed.tensor import DTensor
 
     x, *rest = inputs
     if x.dim() != 3:
@@ -938,15 +958,15 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x = x[:, at:at + rows]
     e, n, dim = x.shape
     got = all_to_all_single_autograd(x.contiguous().view(e * n, dim), None, None, mesh)
-    local = got.view(ep, e // ep, n, dim).transpose(0, 1).reshape(e // ep, ep * n, dim)
-    return (DTensor.from_local(local, mesh, [Shard(0)], run_check=False), *rest)
+    return (got.view(ep, e // ep, n, dim).transpose(0, 1).reshape(e // ep, ep * n, dim), *rest)
 
 
 def _combine(module: nn.Module, out: Any, mesh: DeviceMesh) -> torch.Tensor:
     """The local experts' (E / EP, EP x n, dim) rows back to the ranks that routed them: (E, n, dim)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torch.distributed.tensor import DTensor
 
-    local = out.to_local()
+    local = out.to_local() if isinstance(out, DTensor) else out
     ep = mesh.size()
     e_local, rows, dim = local.shape
     n = rows // ep
