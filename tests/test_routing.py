@@ -198,6 +198,31 @@ def test_a_dbrx_like_router_indexes_every_expert_in_range(on_meta: bool):
     assert matmul_flops >= 2 * 2 * tokens * rm.TOP_K * w1, matmul_flops
 
 
+def test_transformers_dbrx_one_hot_of_experts_plus_one_hits_every_expert(tmp_path):
+    """transformers' DBRX one-hots its top-k into E + 1 classes and loops over the experts its mask hits: that mask
+    of E + 1 elements was taken for a token selection, so 2 of 4 experts ran in the trace (half the experts'
+    FLOPs) and the starved step ran none, which check called a routing skip (an error, exit 1; a new user's
+    finding). Each of the E experts now runs its balanced share, and no routing skip is found."""
+    import json
+
+    from fsdp_planner.models import ModelSpec, load_model
+    from fsdp_planner.service.tracing import routing_skips
+
+    config = tmp_path / "dbrx.json"
+    config.write_text(json.dumps({"model_type": "dbrx", "d_model": 64, "n_heads": 4, "n_layers": 2,
+                                  "max_seq_len": 256, "vocab_size": 512,
+                                  "attn_config": {"kv_n_heads": 2, "clip_qkv": 8, "rope_theta": 10000.0},
+                                  "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}}))
+    spec = ModelSpec(f"hf:{config}", batch_size=1, seq_len=64)
+    lm = load_model(spec, meta=True)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
+    experts = "transformer.blocks.0.ffn.experts"
+    flops = sum(e.flops for e in tr.events if e.is_op and not e.backward and e.module.startswith(experts)
+                and e.kernel > 0)
+    assert flops == 64 * 2 * 3 * 2 * 64 * 128  # tokens x top-k x (w1, v1, w2) x 2 x d x ffn: every expert's share
+    assert routing_skips(spec, tr) == ()
+
+
 def test_a_bounds_check_on_valid_labels_passes():
     """``labels.max() >= vocab_size`` (Wav2Vec2's CTC check) answers False: a valid input never trips a check that
     raises; the placeholder count check (``==``) still holds."""

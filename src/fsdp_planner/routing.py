@@ -169,6 +169,8 @@ class StandIn:
         """Of a mask's ``n`` elements, how many the stand-in takes."""
         if self.experts is None or n == self.experts:  # no routing, or a per-expert mask: each expert is hit
             return n
+        if n == self.experts + 1:  # a per-expert mask with one class more (transformers' DBRX one-hots its top-k
+            return self.experts  # into E + 1 classes): the E experts are hit, the extra class never is
         self.selections += 1
         if self.starved and self.selections == 1 and not self.reads:  # (a guard read first asked for that expert)
             return 0
