@@ -167,3 +167,18 @@ def test_auto_says_why_it_screens_no_tp(tmp_path, capsys):
     assert ("auto screens no tensor parallelism here: --tp 2 is refused (--tp 2 must divide the model's 4 attention "
             "heads and 1 kv heads: choose a degree that divides both), and so is every larger degree"
             ) in capsys.readouterr().err
+
+
+def test_a_config_transformers_cannot_build_from_is_said_in_one_line(tmp_path, capsys):
+    """A DBRX config without attn_config.rope_theta: transformers' own modelling code raised AttributeError while
+    building it, which every command reported as "internal error" (a new user's trial). The config's fault, said in
+    one line naming what transformers raised."""
+    dbrx = {"model_type": "dbrx", "d_model": 64, "n_heads": 4, "n_layers": 1, "max_seq_len": 64, "vocab_size": 256,
+            "attn_config": {"kv_n_heads": 2, "clip_qkv": 8},
+            "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}}
+    assert main(["plan", _config(tmp_path, "dbrx", dbrx), "--policy", "titan"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err
+    assert err.startswith("error: transformers could not build its dbrx model from this config (AttributeError: ")
+    assert "rope_theta" in err
+

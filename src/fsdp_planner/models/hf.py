@@ -25,6 +25,8 @@ import difflib
 import functools
 import json
 import math
+import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -38,6 +40,7 @@ import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner import linear_attention, mamba_scan, selective_scan
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import printable
 from fsdp_planner.limits import check_config, check_field
 from fsdp_planner.patching import TORCHAO_LOGGERS, quiet_loggers
 from fsdp_planner.userfiles import MAX_SOURCE_BYTES, parse_json, read_text, shown_json
@@ -520,15 +523,16 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
     # a model without experts layers accepts the option and ignores it
+    experts = hf_experts.register()
     try:
         # transformers' quantizers import torchao building the first model; its generation config's checks warn of
         # sampling fields (Gemma 3's cache_implementation) that say nothing of a training step
         with quiet_loggers(*TORCHAO_LOGGERS, "transformers.generation.configuration_utils"):
-            model = _auto_class(task).from_config(config, dtype=torch.float32,
-                                                  experts_implementation=hf_experts.register(), **chosen)
+            model = _auto_class(task).from_config(config, dtype=torch.float32, experts_implementation=experts,
+                                                  **chosen)
     except ValueError as e:  # transformers refuses an implementation the class lacks (Gemma 2 and SDPA)
         if attention is None or "does not support" not in str(e):
-            raise
+            raise _refused_config(config, e) from None
         others = ", ".join(a for a in ATTN_IMPLEMENTATIONS if a != attention)
         raise PlannerError(f"--attention {attention}: transformers' {config.model_type} does not support it: give "
                            f"--attention {others.replace(', ', ' or ')}, or leave --attention out for transformers' "
@@ -536,16 +540,31 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
     except KeyError as e:  # a class that picks its attention from its own table (Falcon's FALCON_ATTENTION_CLASSES)
         # never looks up an implementation registered with transformers' AttentionInterface
         if attention != "flash" or hf_attention.FUSED not in str(e):
-            raise
+            raise _refused_config(config, e) from None
         raise PlannerError(f"--attention flash: {config.model_type}'s attention is picked from its own classes, not "
                            "transformers' attention interface, and its flash_attention_2 needs the flash_attn "
                            "package (a GPU's): plan it with --attention sdpa (the default) or eager") from None
+    except (AttributeError, TypeError, IndexError, AssertionError) as e:
+        raise _refused_config(config, e) from None
     if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
         model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
     linear_attention.install(model)
     mamba_scan.install(model)
     selective_scan.install(model)
     return model.train()
+
+
+def _refused_config(config: Any, e: BaseException) -> BaseException:
+    """What building the model raised: the config's fault where transformers' own code raised it (a field its
+    modelling code reads that the config lacks, DBRX's attn_config.rope_theta), said in one line; anything else
+    (this package's own code) as it is."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames or f"{os.sep}transformers{os.sep}" not in frames[-1].filename:
+        return e
+    said = printable(str(e).splitlines()[0] if str(e) else "")[:200]
+    return PlannerError(f"transformers could not build its {config.model_type} model from this config "
+                        f"({type(e).__name__}: {said}): the config lacks a field its code reads, or holds one of "
+                        "another type; compare it with the model's published config.json")
 
 
 def own_checkpointing_off(model: nn.Module) -> tuple[str, ...]:
