@@ -193,6 +193,10 @@ def test_cli_micro_batches_simulate_and_fake_world_check(capsys):
     check = json.loads(capsys.readouterr().out)
     assert check["ok"] and check["micro_batches"] == 2
     assert check["measured"]["all_gathers"] == two["all_gathers"]
+    # the table's title says the batch is one micro-batch's (it read as the --batch 4 given turned into 2)
+    assert main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", "8", "--batch", "4",
+                 "--micro-batches", "2"]) == 0
+    assert "toy-llama, batch 2, seq 32 per micro-batch, 2 micro-batches a step" in capsys.readouterr().out
 
 
 @pytest.mark.integration  # a 2-rank torchrun job: ~15 s

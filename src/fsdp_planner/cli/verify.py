@@ -351,10 +351,9 @@ def run_fake(request: FakeWorldRequest) -> int:
                          "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
                          "fsdp2_view_warnings": measured.view_outputs, "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
-    sync = render.sync_label(options.gradient_sync)
-    split = f", {options.micro_batches} micro-batches a step{sync}" if options.micro_batches > 1 else ""
-    title = (f"{escape(model.label())}{split}: prediction vs real FSDP2 on {world} fake ranks "
-             f"({measured.seconds:.1f} s)")
+    # (the label's batch is one micro-batch's: said so, or it reads as the --batch given)
+    workload = render.workload_label(model.label(), options.micro_batches, options.gradient_sync)
+    title = f"{escape(workload)}: prediction vs real FSDP2 on {world} fake ranks ({measured.seconds:.1f} s)"
     render.console.print(render.fake_world_table(title, rows))
     if measured.view_outputs:
         skipped = "none was, every count above exact" if exact else "see the counts above"
