@@ -149,7 +149,11 @@ def sync_label(gradient_sync: GradientSync) -> str:
 
 
 def model_line(name: str, tr: Trace) -> str:
-    return (f"[bold]{escape(name)}[/bold]: {fmt_count(tr.numel, 'param')} ({fmt_bytes(tr.nbytes)}), "
+    """The model as built: its params' count and bytes (in their dtypes, named where not all float32: the
+    simulation may store them otherwise, as its note says), modules and FLOPs."""
+    dtypes = sorted({p.dtype for p in tr.params})
+    built = f" in {' and '.join(dtypes)}" if dtypes and dtypes != ["float32"] else ""
+    return (f"[bold]{escape(name)}[/bold]: {fmt_count(tr.numel, 'param')} ({fmt_bytes(tr.nbytes)}{built}), "
             f"{fmt_count(len(tr.modules), 'module')}, "
             f"{tr.fwd_flops / 1e9:.3g} GFLOP forward, {tr.bwd_flops / 1e9:.3g} GFLOP backward")
 
