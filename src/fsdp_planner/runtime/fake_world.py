@@ -734,5 +734,8 @@ def _held_view_warnings() -> Iterator[list[int]]:
                 shown(message, category, filename, lineno, file, line)
 
         warnings.filterwarnings("always", message=VIEW_WARNING.pattern)  # each call (Python's would show it once)
+        # a model that deep-copies its layers as it is built (nn.TransformerEncoder's clones) copies fake tensors,
+        # whose data pointer torch's Tensor.__deepcopy__ reads and warns of: nothing the user can act on
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         with patched(warnings, "showwarning", show):
             yield held
