@@ -665,6 +665,21 @@ def test_the_numeric_check_judges_a_root_pair_and_leaves_random_forwards_unjudge
     assert any("not checked on numbers in 0, 1 (its forward draws random numbers)" in n for n in notes), notes
 
 
+def test_detected_pairs_holding_a_shared_weight_stay_whole():
+    """Two blocks sharing their first Linear's weight: the detected layout split them, and the tie check refused
+    the whole layout (a new user's model, whom the message left without a way out but a plan file). Those pairs
+    stay whole, said in the note; the others split."""
+    from fsdp_planner.service.planning import Reporter, requested_layout
+
+    spec = ModelSpec(f"{Path(__file__).parent / 'fixtures' / 'tp_detected.py'}:shared_mid")
+    notes: list[str] = []
+    found = requested_layout(trace_spec(spec), PolicyRequest(PolicyName.TITAN, tp=2), spec, H100_8,
+                             Reporter(notes.append))
+    assert found.degree == 2 and set(found.layout) == {"0.up", "0.down", "2.up", "2.down"}
+    assert any("2 pairs holding a weight shared with another module left whole (1.up, 3.up): TP would untie it" in n
+               for n in notes), notes
+
+
 def test_a_masked_block_is_judged_with_its_mask_all_false_where_all_true_gives_nan():
     """A block taking a key padding mask ran its check with the mask all true: every key masked, its output NaN, and
     NaN != NaN read as "its forward draws random numbers": a softmax between its Linears was accepted unjudged and a

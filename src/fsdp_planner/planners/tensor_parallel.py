@@ -387,6 +387,11 @@ def _pairs_layout(trace: Trace, degree: int, left_whole: frozenset[str] = frozen
     where none does (a fused qkv), a gathered pair (``_pair``). Pairs whose rowwise Linear is in ``left_whole``
     stay whole."""
     pairs = [p for m in trace.modules.values() for p in _pairs(trace, m) if p.row not in left_whole]
+    # a pair one of whose Linears shares a weight with another module stays whole: torch would give each styled
+    # module a weight of its own, untying them (``_check_ties``), and half a pair cannot run
+    shared = {o for q in trace.params if q.is_shared for o in q.owners}
+    tied = [p for p in pairs if shared & {*p.cols, p.row}]
+    pairs = [p for p in pairs if p not in tied]
     if not pairs:
         raise PlannerError("no sound tensor-parallel layout for this model: no module holds Linears called as a "
                            "column-then-row pair (Linears from the hidden size, then one Linear back to it, and "
@@ -411,6 +416,10 @@ def _pairs_layout(trace: Trace, degree: int, left_whole: frozenset[str] = frozen
             f"head; a module not run is named in a note{gathered}; every "
             "other module, embeddings, norms and the output head among them, stays whole over TP, sharded by FSDP "
             "alone over 1/TP of the ranks)")
+    if tied:
+        note += (f"; {fmt_count(len(tied), 'pair')} holding a weight shared with another module left whole "
+                 f"({', '.join(sorted(m for p in tied for m in (*p.cols, p.row) if m in shared)[:4])}): TP would "
+                 "untie it")
     return Layout(TensorParallel(degree, layout), PAIRS, (note,))
 
 
