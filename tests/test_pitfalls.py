@@ -120,6 +120,33 @@ def test_a_list_group_module_called_by_the_loss():
     assert "list-group-after-forward" not in codes(plan_findings(tr, make_plan(tr, [["body"], ["head"], ["aux"]])))
 
 
+def test_a_list_group_holding_an_unused_module_beside_used_ones_warns():
+    """An unused module in a list group with used ones leaves the group's forward incomplete (the root's
+    post-forward completes it and gathers it again in backward: ModuleInfo.unused). No warning where nothing of
+    the group runs (its forward never starts), nor for an unused module tied to a used one (it cannot be apart):
+    both predicted exactly (a reviewer's cases)."""
+    import torch.nn as nn
+
+    class Towers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.body, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16, bias=False)
+            self.aux, self.tower = nn.Linear(8, 2), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            self.tied = nn.Linear(8, 16, bias=False)
+            self.tied.weight = self.embed.weight
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return self.head(self.body(self.embed(x)))
+
+    tr = record(Towers(), (torch.randint(0, 16, (2, 4)),), lambda out: out.sum())
+
+    def unused(groups: list[list[str]]) -> list[str]:
+        return [f.module for f in plan_findings(tr, make_plan(tr, groups)) if f.code is Code.LIST_GROUP_UNUSED]
+
+    assert unused([["embed", "tied"], ["body"], ["head", "aux"], ["tower"]]) == ["aux"]
+    assert unused([["embed", "tied"], ["body"], ["head"], ["aux", "tower.0", "tower.1"]]) == []
+
+
 def test_unused_and_float64_params():
     tr = traced("wasteful")
     found = model_findings(tr, BF16_MIXED)

@@ -11,7 +11,7 @@ same meshes, params and FSDP2 groups, its all-to-all dispatch of every (token, e
 
 The expert modules take (E, tokens per expert, dim) and give the same shape (``models/moe.py``'s
 ``GroupedExperts``): the dispatch turns one rank's (E, n, dim) into its local experts' (E / EP, EP x n, dim), the
-tokens every EP rank routed to them, and the module runs on its params' local shards (``on_local_shards``, as
+tokens every EP rank routed to them, and the module runs on its params' local shards (``_on_local_shards``, as
 torchtitan's GroupedExperts reads them); the combine reverses it. With TP (torchtitan's expert TP of 1)
 EP's ranks are dp_shard x tp ranks: each TP rank dispatches its 1/TP of each expert's rows and puts the combined
 ones back among the whole layer's (``TPStyle.TOKEN_SPLIT``), the MoE layer's other styles applied by ``apply_tp``
@@ -20,7 +20,7 @@ after the experts are distributed.
 
 from __future__ import annotations
 
-import functools
+import types
 from typing import Any
 
 import torch
@@ -94,27 +94,26 @@ def _hooks(split: int) -> tuple[Any, Any]:
     return dispatch, combine
 
 
-def on_local_shards(module: nn.Module) -> None:
+def _on_local_shards(module: nn.Module) -> None:
     """The experts module's forward run on this rank's shards: its params' local tensors while it runs (``to_local``,
     a view whose grad flows back to the DTensor param, as torchtitan's GroupedExperts reads them), its input the
     dispatch's local rows. So any experts module runs, its batched matmuls or a loop over its experts
     (``range(x.shape[0])`` or ``range(self.w1.shape[0])``: E / EP of them here); with DTensors, a loop's shapes were
     the global ones and failed on every rank (a new user's finding)."""
+    # bound to the module (a method, not a closure over it: a deep copy of the model rebinds it to the copy)
+    module.forward = types.MethodType(_local_forward, module)
+
+
+def _local_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def local(*args: Any, **kwargs: Any) -> Any:
-        held = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
-        try:
-            for n, p in held.items():  # (FSDP2 set these, unsharded, before the call: swapped back after it)
-                module._parameters[n] = p.to_local()
-            return forward(*args, **kwargs)
-        finally:
-            module._parameters.update(held)
-
-    module.forward = local
+    held = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+    try:
+        for n, p in held.items():  # (FSDP2 set these, unsharded, before the call: swapped back after it)
+            module._parameters[n] = p.to_local()
+        return type(module).forward(module, *args, **kwargs)
+    finally:
+        module._parameters.update(held)
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: Any) -> None:
@@ -210,7 +209,7 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
             distribute_experts(modules[name], ep, own_batch)
         else:
             distribute_module(modules[name], ep, _shard_experts, *_hooks(split))
-            on_local_shards(modules[name])
+            _on_local_shards(modules[name])
         if mesh_info is not None:  # sharded by its block's fully_shard call, on the EP-reduced mesh
             placements.update(_per_param_placements(modules[name], name, plan, mesh_info))
             continue

@@ -927,20 +927,21 @@ def _on_local_shards(module: nn.Module) -> None:
     """The module's forward run on its params' local shards (to_local: E / EP_DEGREE experts, their grads flowing
     back to the sharded params), its input the dispatch's local rows: batched matmuls and loops over the experts
     alike, as torchtitan's GroupedExperts reads its params."""
+    import types
+
+    module.forward = types.MethodType(_local_forward, module)  # (bound: a deep copy rebinds it to the copy)
+
+
+def _local_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
-    forward = module.forward
-
-    def local(*args: Any, **kwargs: Any) -> Any:
-        held = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
-        try:
-            for n, p in held.items():
-                module._parameters[n] = p.to_local()
-            return forward(*args, **kwargs)
-        finally:
-            module._parameters.update(held)
-
-    module.forward = local
+    held = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+    try:
+        for n, p in held.items():
+            module._parameters[n] = p.to_local()
+        return type(module).forward(module, *args, **kwargs)
+    finally:
+        module._parameters.update(held)
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:

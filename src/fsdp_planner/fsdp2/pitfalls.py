@@ -397,7 +397,11 @@ def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
                                "loss's call (a list group's hooks follow each module's forward), which the "
                                "prediction does not replay (an all-gather more a step on a new user's model)",
                                f"shard {_path(m)} in a group of its own (fully_shard({_name(m)}))", m))
-        for m in (m for m in g.modules if trace.modules[m].unused):
+        # (a group of unused modules alone never starts its forward; one tied to a used module cannot be apart)
+        used = any(not trace.modules[x].unused for x in g.modules)
+        subtree = trace.index.subtree_params
+        for m in (m for m in g.modules if used and trace.modules[m].unused
+                  and not any(trace.param(p).is_shared for p in subtree[m])):
             out.append(Finding(Severity.WARNING, Code.LIST_GROUP_UNUSED,
                                f"{_path(m)} is never used in the step, inside list group {i} "
                                f"({fmt_modules(g.modules)}): the root's post-forward completes the group's forward "

@@ -532,7 +532,7 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
                                                   **chosen)
     except ValueError as e:  # transformers refuses an implementation the class lacks (Gemma 2 and SDPA)
         if attention is None or "does not support" not in str(e):
-            raise _refused_config(config, e) from None
+            raise
         others = ", ".join(a for a in ATTN_IMPLEMENTATIONS if a != attention)
         raise PlannerError(f"--attention {attention}: transformers' {config.model_type} does not support it: give "
                            f"--attention {others.replace(', ', ' or ')}, or leave --attention out for transformers' "
@@ -540,11 +540,11 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
     except KeyError as e:  # a class that picks its attention from its own table (Falcon's FALCON_ATTENTION_CLASSES)
         # never looks up an implementation registered with transformers' AttentionInterface
         if attention != "flash" or hf_attention.FUSED not in str(e):
-            raise _refused_config(config, e) from None
+            raise
         raise PlannerError(f"--attention flash: {config.model_type}'s attention is picked from its own classes, not "
                            "transformers' attention interface, and its flash_attention_2 needs the flash_attn "
                            "package (a GPU's): plan it with --attention sdpa (the default) or eager") from None
-    except (AttributeError, TypeError, IndexError, AssertionError) as e:
+    except AttributeError as e:  # (only a config's missing field: what this package passes in raises otherwise)
         raise _refused_config(config, e) from None
     if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
         model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
@@ -554,12 +554,14 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
     return model.train()
 
 
-def _refused_config(config: Any, e: BaseException) -> BaseException:
-    """What building the model raised: the config's fault where transformers' own code raised it (a field its
-    modelling code reads that the config lacks, DBRX's attn_config.rope_theta), said in one line; anything else
-    (this package's own code) as it is."""
+def _refused_config(config: Any, e: AttributeError) -> BaseException:
+    """An attribute building the model looked up and did not find: the config's fault where transformers' code
+    read it from a config object (a field its modelling code reads that the config lacks, DBRX's
+    attn_config.rope_theta), said in one line; anything else (this package's own code, an API change) as it is."""
     frames = traceback.extract_tb(e.__traceback__)
-    if not frames or f"{os.sep}transformers{os.sep}" not in frames[-1].filename:
+    config_classes = (type(config).__name__, *(type(v).__name__ for v in vars(config).values()))
+    if not frames or f"{os.sep}transformers{os.sep}" not in frames[-1].filename or \
+            not any(f"'{name}' object has no attribute" in str(e) for name in config_classes):
         return e
     said = printable(str(e).splitlines()[0] if str(e) else "")[:200]
     return PlannerError(f"transformers could not build its {config.model_type} model from this config "

@@ -113,19 +113,18 @@ def _local_param(p: ParamInfo, degree: int) -> ParamInfo:
     return replace(p, shape=(p.shape[0] // degree, *p.shape[1:]), numel=p.numel // degree)
 
 
-def _dispatch_bytes(trace: Trace, ops: list[Event], chosen: set[int], split: int, inputs: int) -> int:
-    """One rank's routed rows x dim, from the first expert matmul of a call: its input (bytes read and written
-    less the weight's and the output's; in a TP view whose ops run on 1/``split`` of the tokens, their bytes
-    counted so, the weight's too). A matmul of one expert's slice (a loop over the experts: ``x[e] @ w1[e]``)
-    reads less than the whole weight: then the call's input, ``inputs`` bytes (its pre-forward's)."""
-    for e in ops:
-        hit = [p for p in e.params if p in chosen]
-        if e.flops and hit:
-            weight = trace.params[hit[0]]
-            itemsize = trace.compute_itemsize or weight.itemsize
-            batched = e.nbytes - e.out_nbytes - weight.numel * itemsize // split
-            return batched if batched > 0 else inputs // split
-    return 0
+def _dispatch_bytes(trace: Trace, ops: list[Event], chosen: set[int], split: int) -> int:
+    """One rank's routed rows x dim, from the expert matmuls of a call reading its first expert weight: their
+    inputs (bytes read and written less the weight's and the output's; in a TP view whose ops run on 1/``split``
+    of the tokens, their bytes counted so, the weight's too). One batched matmul reads the whole weight; a loop
+    over the experts (``x[e] @ w1[e]``) makes one matmul an expert, each reading its slice of the weight."""
+    first = next((p for e in ops if e.flops for p in e.params if p in chosen), None)
+    if first is None:
+        return 0
+    reading = [e for e in ops if e.flops and first in e.params]
+    weight = trace.params[first]
+    share = weight.numel * (trace.compute_itemsize or weight.itemsize) // len(reading) // split
+    return max(0, sum(e.nbytes - e.out_nbytes - share for e in reading))
 
 
 def _forward_calls(trace: Trace, names: set[str]) -> Iterator[tuple[str, int, int, int]]:
@@ -143,8 +142,7 @@ def _forward_calls(trace: Trace, names: set[str]) -> Iterator[tuple[str, int, in
 
 def _call_bytes(trace: Trace, experts: Sequence[str], chosen: set[int], split: int) -> dict[tuple[str, int], int]:
     """(expert module, call) -> its all-to-all's send buffer."""
-    return {(m, call): _dispatch_bytes(trace, [x for x in trace.events[start:end] if x.is_op], chosen, split,
-                                       trace.events[start].inputs_nbytes)
+    return {(m, call): _dispatch_bytes(trace, [x for x in trace.events[start:end] if x.is_op], chosen, split)
             for m, call, start, end in _forward_calls(trace, set(experts))}
 
 
