@@ -36,8 +36,9 @@ def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwa
     name) and a cross-entropy run in ``chunks`` equal chunks of the tokens, as torchtitan's ChunkedLossWrapper runs:
     ``model(*args, **kwargs)`` without the layer, each chunk through the layer, the loss (summed over the chunk's
     tokens, divided by the labelled tokens of all of them) and its backward. Returns the step's loss, whose
-    ``backward()`` runs the model's backward from the chunks' gradient (call it as you would the whole loss's, or
-    let a framework: Lightning's automatic optimization). ``labels``: the target class of each token, already
+    ``backward()`` runs the model's backward from the chunks' gradient and gives the output layer its gradient (call
+    it as you would the whole loss's, or let a framework: Lightning's automatic optimization, which zeroes the
+    grads between the step and its backward). ``labels``: the target class of each token, already
     aligned with the model's outputs (a causal LM's shifted), -100 where ignored, in any shape of that many (None:
     zeros, what the fake ranks train). ``loss_parallel``: the layer's logits are sharded over the vocabulary (a TP
     plan's loss parallel): each chunk's loss runs under ``loss_parallel()``. The model must return the layer's
@@ -85,9 +86,14 @@ def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwa
             piece.grad = None  # (the split's tuple holds every chunk through the loop: not their grads)
             del piece, loss
     grad = _like(flat, buffer.to(local.dtype), placements)
+    # the layer's grads held by the step's loss until its backward: a framework zeroing the grads between the step
+    # and its backward (Lightning's automatic optimization) dropped them, and the layer never trained
+    held = [(p, p.grad) for p in layer.parameters() if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
     # nothing but the autograd graph holds the hidden states and their gradient through the model's backward
     # (torchtitan's trainer deletes its pred before loss.backward(); the wrapper's locals are gone by then)
-    return _ModelBackward.apply(flat, grad, total)
+    return _ModelBackward.apply(flat, grad, total, held)
 
 
 class _ModelBackward(torch.autograd.Function):
@@ -96,14 +102,19 @@ class _ModelBackward(torch.autograd.Function):
     states' own backward has it), as torchtitan's wrapper bridges its chunks to the decoder's backward."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, hidden: torch.Tensor, grad: torch.Tensor, loss: torch.Tensor,
+                held: list[tuple[nn.Parameter, torch.Tensor]]) -> torch.Tensor:
         ctx.save_for_backward(grad)
+        ctx.held = held  # the output layer's grads, given back to its params as the backward starts
         return loss.detach()
 
     @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (grad,) = ctx.saved_tensors
-        return grad, None, None
+        for p, g in ctx.held:
+            p.grad = g if p.grad is None else p.grad + g
+        ctx.held = []
+        return grad, None, None, None
 
 
 def _replicated(hidden: torch.Tensor) -> torch.Tensor:
