@@ -523,8 +523,11 @@ def strategy(devices: int, num_nodes: int = 1, **kwargs: Any) -> Any:
 def configure_model(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     """TP and FSDP2 as the plan says: call ``configure_model(self.model, self.device_mesh)`` (or the module to
     shard) from ``LightningModule.configure_model``; TP_LAYOUT goes over the mesh's ``tensor_parallel`` dim, the
-    groups over its ``data_parallel`` dim. Lightning's mesh has one data-parallel dim: an HSDP plan (MESH) builds
-    its (dp_replicate, dp_shard, tp) mesh over Lightning's process group, TP over the same consecutive ranks."""
+    groups over its ``data_parallel`` dim. With LOSS_PARALLEL the training_step's loss runs under loss_context(),
+    and so does its backward, which Lightning runs outside training_step: override ``LightningModule.backward``
+    (see LOSS_PARALLEL), or the backward fails ("got mixed torch.Tensor and DTensor"). Lightning's mesh has one
+    data-parallel dim: an HSDP plan (MESH) builds its (dp_replicate, dp_shard, tp) mesh over Lightning's process
+    group, TP over the same consecutive ranks."""
     if MESH is not None and MESH[0] > 1:
         return apply(model, make_mesh(device_mesh.device_type))
     return apply(model, device_mesh)
@@ -605,9 +608,13 @@ TP_APPLY_LINE = MESH_LINE
 TP_SPLIT = """    mesh, tp_mesh = split_mesh(mesh)  # TP: parallelize_module over tp first, then FSDP over the dp dims
     tensor_parallel(model, tp_mesh)
 """
-TP_CONSTANTS = """TP_DEGREE: int = {degree}  # tensor parallelism over the innermost mesh dim (consecutive ranks)
+TP_CONSTANTS = """TP_DEGREE: int = {degree}  # tensor parallelism over the innermost mesh dim (consecutive ranks): the
+# ranks of a TP group train one batch (their data-parallel rank's), so give them the same one
 TP_LAYOUT: dict[str, str] = {layout}  # module name or pattern ('*': one part) -> style
-LOSS_PARALLEL: bool = {loss_parallel}  # the output head keeps vocab-sharded logits: the loss under loss_context()
+# LOSS_PARALLEL: the output head keeps vocab-sharded logits: the loss and its backward run under loss_context()
+# (Lightning runs the backward outside training_step: give the LightningModule
+# def backward(self, loss, *args, **kwargs): with loss_context(): loss.backward(*args, **kwargs))
+LOSS_PARALLEL: bool = {loss_parallel}
 ASYNC_TP: bool = {async_tp}  # torchtitan's async TP (takes effect under torch.compile)
 FLOAT8_TP: bool = {float8_tp}  # torchao's float8 TP styles: activations all-gathered in float8 (float8 Linears)
 MLA_ROPE_DIM: int = {mla_rope_dim}  # mla_kv_a_proj: its output's last features (the rope key), grad all-reduced
