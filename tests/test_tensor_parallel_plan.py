@@ -665,6 +665,21 @@ def test_the_numeric_check_judges_a_root_pair_and_leaves_random_forwards_unjudge
     assert any("not checked on numbers in 0, 1 (its forward draws random numbers)" in n for n in notes), notes
 
 
+def test_a_tp_plan_s_counts_and_bytes_without_a_cluster_are_one_tp_rank_s(capsys):
+    """``plan --tp 2`` without --cluster printed the whole model's all-gather bytes and unsharded peak (those of the
+    plan without TP; a new user's trial), with one they were halved: one TP rank's, either way."""
+    from fsdp_planner.cli import main
+
+    metrics = []
+    for cluster in ((), ("--cluster", "h100:4")):
+        assert main(["plan", "toy-llama", "--policy", "titan", "--tp", "2", *cluster, "--json"]) == 0
+        metrics.append(json.loads(capsys.readouterr().out)["plans"][0]["metrics"])
+    assert metrics[0] == metrics[1]
+    assert main(["plan", "toy-llama", "--policy", "titan", "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)["plans"][0]["metrics"]
+    assert metrics[0]["all_gather_bytes"] < whole["all_gather_bytes"]
+
+
 def test_detected_pairs_holding_a_shared_weight_stay_whole():
     """Two blocks sharing their first Linear's weight: the detected layout split them, and the tie check refused
     the whole layout (a new user's model, whom the message left without a way out but a plan file). Those pairs

@@ -64,7 +64,7 @@ from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import with_memory_options
-from fsdp_planner.sim.tensor_parallel import TPView, data_parallel_plan, tp_view, view_key
+from fsdp_planner.sim.tensor_parallel import data_parallel_plan, tp_trace, tp_view, view_key
 from fsdp_planner.trace.chunked_loss import output_layer
 from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN, KERNEL_SELECTIVE_SCAN
 from fsdp_planner.trace.records import Trace
@@ -735,7 +735,7 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
     cluster = job.cluster
     world = cluster.world_size if cluster else None
     contexts: dict[tuple, SimContext] = {}
-    views: dict[tuple, TPView] = {}
+    views: dict[tuple, tuple[Trace, Cluster | None]] = {}  # one TP rank's trace and data-parallel cluster
     ep_views: dict[tuple, Trace] = {}
 
     def view(p: Plan) -> tuple[Trace, Cluster | None]:
@@ -743,12 +743,13 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
         (built once per layout)."""
         tp, ep = p.tensor_parallel, p.expert_parallel
         on, dp = tr, cluster
-        if tp is not None and tp.degree > 1 and cluster is not None:
+        if tp is not None and tp.degree > 1:
             float8 = job.options.float8 or p.float8
             key = view_key(tp, float8)
-            if key not in views:
-                views[key] = tp_view(tr, tp, cluster, float8)
-            on, dp = views[key].trace, views[key].cluster
+            if key not in views:  # (without a cluster, the view's trace alone: the counts and bytes are of it)
+                found = tp_view(tr, tp, cluster, float8) if cluster is not None else None
+                views[key] = (found.trace, found.cluster) if found is not None else (tp_trace(tr, tp, float8), None)
+            on, dp = views[key]
         if ep is not None and ep.degree > 1:  # one EP rank's step of one TP rank's (EP's ranks span TP's)
             key = (ep.signature(), tp.signature() if tp is not None else ())
             if key not in ep_views:

@@ -343,6 +343,12 @@ def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster, float8: Float8 |
     if cluster.world_size % tp.degree:
         raise PlannerError(f"tensor parallelism of degree {tp.degree} does not divide the {cluster.world_size} GPUs of "
                            f"cluster {cluster.name}")
+    return TPView(tp_trace(trace, tp, float8), dp_cluster(cluster, tp.degree), tp)
+
+
+def tp_trace(trace: Trace, tp: TensorParallel, float8: Float8 | None = None) -> Trace:
+    """``tp_view``'s trace alone: one TP rank's step, whatever the cluster (what a plan's counts and bytes without
+    hardware are of)."""
     lay = _Layout(trace, tp, float8)
     params = tuple(local_param(p, param_style(p, lay.styles), tp.degree) for p in trace.params)
     events, where = _rank_events(trace, lay)
@@ -353,8 +359,7 @@ def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster, float8: Float8 |
                    loss_blocks=_loss_blocks(trace, lay, where, len(events)), tensor_parallel=tp.signature(),
                    replicated_grads=replicated, float8_tp=lay.float8,
                    fingerprint=f"{trace.fingerprint}/tp{tp.degree}" + ("f8" if lay.float8 else ""))
-    view = view.with_compiled(_local_compiled(trace, view))
-    return TPView(view, dp_cluster(cluster, tp.degree), tp)
+    return view.with_compiled(_local_compiled(trace, view))
 
 
 def _local_compiled(trace: Trace, view: Trace) -> dict[str, CompiledBlock]:
