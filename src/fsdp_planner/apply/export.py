@@ -888,9 +888,13 @@ def split_expert_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh, DeviceM
         replicate = mesh["dp_replicate"].size() if "dp_replicate" in names else 1
     else:
         replicate = mesh.size(0) if mesh.ndim == 2 else 1
-    if (mesh.ndim > 2 and EP_TOKEN_SPLIT == 1) or (world // replicate) % EP_DEGREE:
+    if mesh.ndim > 2 and EP_TOKEN_SPLIT == 1:
         raise ValueError(f"this plan has expert parallelism of degree {EP_DEGREE}: give a 1-D or (dp_replicate, "
-                         f"dp_shard) mesh whose shard size it divides, got {mesh.ndim} dims of {world} ranks")
+                         f"dp_shard) mesh, got {mesh.ndim} dims")
+    if (world // replicate) % EP_DEGREE:
+        raise ValueError(f"this plan's expert parallelism over {EP_DEGREE} ranks does not divide the "
+                         f"{world // replicate} data-parallel shard ranks of the job's {world}: launch a multiple of "
+                         f"{EP_DEGREE * replicate}, or make the plan again for {world} ranks")
     whole = init_device_mesh(mesh.device_type, (world,), mesh_dim_names=("world",))
     dims = (replicate, world // replicate // EP_DEGREE, EP_DEGREE)
     sparse = whole._unflatten(0, dims, ("dp_replicate", "dp_shard_mod_ep", "ep"))
