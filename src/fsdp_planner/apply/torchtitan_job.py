@@ -332,8 +332,8 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
     built_on = f"torchtitan's own {base}() job" if base else "a Trainer.Config of the plan's settings"
     return JOB.format(function=FUNCTION, built_on=built_on, imports="\n".join(f"    {i}" for i in sorted(imports)),
                       body="\n".join(body),
-                      flags="\n".join(f"    {', '.join(literal(w) for w in flag)}," for flag in flags(settings)
-                                      + _loss_flags(plan)))
+                      flags="\n".join(f"    {', '.join(literal(w) for w in flag)}," for flag in flags(settings,
+                                                                                                _loss_flags(plan))))
 
 
 def _loss_flags(plan: Plan) -> list[tuple[str, ...]]:
@@ -352,9 +352,11 @@ def _converters(plan: Plan, literal: Callable[[Any], str]) -> str:
             f"filter_fqns={literal(list(f8.filter_fqns))}, model_compile_enabled={literal(bool(plan.compiled))})]")
 
 
-def flags(settings: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
+def flags(settings: dict[str, dict[str, Any]], more: list[tuple[str, ...]] | None = None) -> list[tuple[str, ...]]:
     """torchtitan's ``--section.key VALUE`` flags, each with its value (a true flag alone, a false one as tyro's
-    ``--section.no_key``, which sets it over a job that has it true; the checkpointing as tyro's subcommand)."""
+    ``--section.no_key``, which sets it over a job that has it true), then ``more`` of them, then the checkpointing
+    as tyro's subcommand, last: tyro takes the job's own options before a subcommand only (``--loss.num_chunks``
+    after it: "Unrecognized options", a new user's check with tyro 1.0)."""
     out: list[tuple[str, ...]] = []
     for section in ("training", "parallelism", "compile", "optimizer"):
         for key, value in settings[section].items():
@@ -366,6 +368,7 @@ def flags(settings: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
                 out.append((f"--{section}.{key}", *map(str, value)))
             else:
                 out.append((f"--{section}.{key}", str(value)))
+    out += more or []
     ac = settings["activation_checkpoint"]["class"]
     out.append(({"SelectiveAC": "activation-checkpoint:selective", "FullAC": "activation-checkpoint:full",
                  None: "activation-checkpoint:none"}[ac],))
