@@ -632,6 +632,13 @@ def test_full_bf16_training_is_pure_bf16(tmp_path):
     same_job(registry, toml)
     assert registry.precision == "pure-bf16" and unchunked(registry.notes)[0].startswith("training.dtype = bfloat16")
     assert read_config(TORCHTITAN, job("llama3_8b"), ["--training.dtype", "float32"]).precision == "bf16-mixed"
+    # FSDP2 reduces the bf16 grads in mixed_precision_reduce, float32 by default (its MixedPrecisionPolicy keeps a
+    # reduce dtype other than the param dtype): the reduction was simulated in bf16, half the job's bytes (a new
+    # user's trial)
+    assert registry.reduce_dtype == "fp32" and "the gradient reduction in fp32" in unchunked(registry.notes)[0]
+    bf16 = read_config(TORCHTITAN, job("llama3_8b"), ["--training.dtype", "bfloat16",
+                                                      "--training.mixed_precision_reduce", "bfloat16"])
+    assert bf16.reduce_dtype is None and "the gradient reduction in bf16" in unchunked(bf16.notes)[0]
 
 
 def test_a_value_nested_too_deeply_is_one_line(tmp_path):

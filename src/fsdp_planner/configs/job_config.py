@@ -454,10 +454,14 @@ def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:
     cfg.precision = "bf16-mixed" if param == "bfloat16" else "fp32"
     cfg.reduce_dtype = "bf16" if reduce == "bfloat16" and param == "bfloat16" else None
     if "dtype" in training and _str(cfg, "training.dtype", training["dtype"], dtypes, exact=True) == "bfloat16":
-        cfg.precision, cfg.reduce_dtype = "pure-bf16", None  # no fp32 copy of anything
+        # no fp32 copy of anything, but FSDP2 reduces the bf16 grads in mixed_precision_reduce (float32 unless the
+        # job says bfloat16: its MixedPrecisionPolicy keeps a reduce dtype other than the param dtype, _fsdp_param
+        # init_dtype_attrs), as torchtitan's parallelize passes it
+        cfg.precision, cfg.reduce_dtype = "pure-bf16", "fp32" if reduce == "float32" else None
         cfg.keys["training.dtype"] = "bfloat16"
-        cfg.notes.append("training.dtype = bfloat16 is simulated as pure-bf16: params, grads, optimizer state and "
-                         "the gradient reduction in bf16")
+        reduced = "fp32 (mixed_precision_reduce)" if reduce == "float32" else "bf16"
+        cfg.notes.append("training.dtype = bfloat16 is simulated as pure-bf16: params, grads and optimizer state in "
+                         f"bf16, the gradient reduction in {reduced}")
     if "enable_cpu_offload" in training:
         cfg.offload = cfg.keys["training.enable_cpu_offload"] = _bool(cfg, "training.enable_cpu_offload",
                                                                       training["enable_cpu_offload"])
