@@ -726,6 +726,10 @@ def job() -> Trainer.Config:
     # each was read without a word, the job planned without what it sets
     ("    par = dict(tensor_parallel_degree=2)\n    return Trainer.Config(model_spec=model_registry('8B'), "
      "parallelism=ParallelismConfig(**par))\n", "ParallelismConfig(...) takes **par, which the reader does not expand"),
+    # a helper of the file taking **kwargs: its call was said not to match its parameters (a new user's trial)
+    ("    return base(tensor_parallel_degree=2)\n\n\ndef base(**par) -> Trainer.Config:\n"
+     "    return Trainer.Config(model_spec=model_registry('8B'), parallelism=ParallelismConfig(**par))\n",
+     "base takes **par, which the reader does not expand without running the file: give it parameters of their own"),
     ("    par = ParallelismConfig(data_parallel_shard_degree=4)\n    par.tensor_parallel_degree = 2\n"
      "    return Trainer.Config(model_spec=model_registry('8B'), parallelism=par)\n",
      "par.tensor_parallel_degree is set after par is made"),

@@ -512,8 +512,13 @@ def _returned(source: Source, node: Any, name: str, label: str, depth: int, note
 def _arguments(fn: ast.FunctionDef, call: ast.Call, scope: dict[str, Any], label: str) -> dict[str, Any]:
     """A call of the job function ``fn``'s arguments by parameter name (read in the caller's ``scope``)."""
     names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
-    if len(call.args) > len(names) or any(k.arg not in (*names, *(a.arg for a in fn.args.kwonlyargs))
-                                          for k in call.keywords):
+    extra = [k.arg for k in call.keywords if k.arg not in (*names, *(a.arg for a in fn.args.kwonlyargs))]
+    if (extra and fn.args.kwarg is not None) or (len(call.args) > len(names) and fn.args.vararg is not None):
+        # (the call may match: what the function does with them is its body's, which the reader does not run)
+        spread = f"**{fn.args.kwarg.arg}" if extra and fn.args.kwarg is not None else f"*{fn.args.vararg.arg}"
+        raise PlannerError(f"{label}: {fn.name} takes {spread}, which the reader does not expand without running "
+                           "the file: give it parameters of their own")
+    if len(call.args) > len(names) or extra:
         raise PlannerError(f"{label}: {cut_short(ast.unparse(call))} does not match {fn.name}'s parameters")
     given = dict(zip(names, (_value(a, scope, 0) for a in call.args), strict=False))
     given.update({k.arg: _value(k.value, scope, 0) for k in call.keywords if k.arg})
