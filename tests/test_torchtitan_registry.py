@@ -432,6 +432,15 @@ def test_a_job_on_an_unread_base_must_set_what_the_step_reads(tmp_path):
     tokens = ["--training.num_tokens_per_microbatch_per_dp_rank", "8192", "--training.max_context_length", "4096",
               "--training.num_tokens_per_train_step", "-1"]
     assert (read_config(TORCHTITAN, spec, tokens).batch, read_config(TORCHTITAN, spec, tokens).seq) == (2, 4096)
+    # a job that leaves the loss as its unread base has it is simulated with a whole loss, said so (torchtitan's
+    # registry jobs chunk theirs: a new user's derived job lost its base's 8 chunks without a word)
+    lossless = tmp_path / "lossless.py"
+    lossless.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                                if not line.lstrip().startswith("config.loss")))
+    said = read_config(TORCHTITAN, f"{lossless}:fsdp_planner_job", tokens).notes[0]
+    assert said.endswith("its loss is simulated whole, not in chunks: set config.loss = ChunkedLossWrapper.Config(...) "
+                         "where llama3_8b() chunks it"), said
+    assert "its loss" not in read_config(TORCHTITAN, spec, tokens).notes[0]
     bare = tmp_path / "bare.py"
     bare.write_text("from torchtitan.models.llama3.config_registry import llama3_8b\n\n\ndef job():\n"
                     "    config = llama3_8b()\n    config.training.steps = 5\n    return config\n")

@@ -484,8 +484,13 @@ def check_set_over(config: dict[str, Any], overrides: Sequence[Override], label:
     said = "" if "optimizer" in whole else ": its optimizer's param groups are simulated as AdamW" \
         if isinstance(optimizer, Call) and "implementation" in optimizer.fields \
         else ": its optimizer is simulated as torchtitan's default, fused AdamW"
+    # its loss too (torchtitan's registry jobs chunk theirs, ChunkedLossWrapper's 8: a new user's derived job was
+    # simulated with a whole loss and no word)
+    loss = "" if "loss" in whole or "loss" in config or any(o.key.startswith("loss.") for o in overrides) else \
+        f"; its loss is simulated whole, not in chunks: set config.loss = ChunkedLossWrapper.Config(...) where " \
+        f"{unread.base}() chunks it"
     notes.append(f"{unread.job} builds on {unread.base}(), not read (it is not in the file): the job is what "
-                 f"{unread.job} sets{said}")
+                 f"{unread.job} sets{said}{loss}")
     return config
 
 
