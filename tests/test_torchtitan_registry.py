@@ -355,6 +355,8 @@ def test_the_torchtitan_export_s_flags_carry_the_loss_s_chunks(tmp_path, chunks)
     assert flags[-1].startswith("activation-checkpoint:") and sum(f.startswith("activation-checkpoint:")
                                                                   for f in flags) == 1
     said = unexpressed(plan, PRECISIONS["bf16-mixed"], None)
+    # the backend the job sets over torchtitan's default is said (a new user's trial: it was not)
+    assert any(n.startswith('the job sets parallelism.spmd_backend = "partial_dtensor"') for n in said), said
     assert any(n.startswith("TORCHTITAN_FLAGS set --loss.num_chunks 4" if chunks else
                             "TORCHTITAN_FLAGS keep the job's own loss") for n in said), said
 

@@ -188,6 +188,10 @@ def _flags_notes(plan: Plan) -> list[str]:
         out.append("the plan's expert parallelism on torchtitan's own MoE model is torchtitan's (its parallelize_fn "
                    "lays the experts out itself): fsdp_planner_job() keeps torchtitan's parallelize_fn, with the "
                    "plan's degrees and settings but torchtitan's groups")
+    # (torchtitan's default is spmd_types; the plan's FSDP2 and TP run on DTensor meshes, as its parallelize_fn)
+    out.append("the job sets parallelism.spmd_backend = \"partial_dtensor\" (torchtitan's default: spmd_types): the "
+               "plan's FSDP2 and TP run over DTensor device meshes, as fsdp_planner_job()'s parallelize_fn applies "
+               "them")
     if flavor in NO_REGISTRY_JOB:
         out.append(f"torchtitan has no registry job of {plan.model} ({flavor[0]} {flavor[1]}): TORCHTITAN_FLAGS, which "
                    "cannot set the model, run another flavour on any job; fsdp_planner_job() sets it")
