@@ -86,14 +86,19 @@ def chunked_loss_step(model: nn.Module, head: str, chunks: int, args: tuple, kwa
             piece.grad = None  # (the split's tuple holds every chunk through the loop: not their grads)
             del piece, loss
     grad = _like(flat, buffer.to(local.dtype), placements)
-    # the layer's grads held by the step's loss until its backward: a framework zeroing the grads between the step
-    # and its backward (Lightning's automatic optimization) dropped them, and the layer never trained
+    # nothing but the autograd graph holds the hidden states and their gradient through the model's backward
+    # (torchtitan's trainer deletes its pred before loss.backward(); the wrapper's locals are gone by then)
+    return _ModelBackward.apply(flat, grad, total, _held_grads(layer))
+
+
+def _held_grads(layer: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """The layer's grads taken off its params, for the step's loss to give back in its backward: a framework
+    zeroing the grads between the step and its backward (Lightning's automatic optimization) dropped them, and the
+    layer never trained."""
     held = [(p, p.grad) for p in layer.parameters() if p.grad is not None]
     for p, _ in held:
         p.grad = None
-    # nothing but the autograd graph holds the hidden states and their gradient through the model's backward
-    # (torchtitan's trainer deletes its pred before loss.backward(); the wrapper's locals are gone by then)
-    return _ModelBackward.apply(flat, grad, total, held)
+    return held
 
 
 class _ModelBackward(torch.autograd.Function):
@@ -189,5 +194,5 @@ def _unsharded_through(layer: nn.Module) -> Iterator[None]:
 
 
 # what an export of a plan with chunks writes into its file (``apply/export.py``), in this order
-CHUNKED_LOSS_FUNCTIONS = (logits_of, chunked_loss_step, _ModelBackward, _replicated, _local, _like, _without,
-                          _unsharded_through)
+CHUNKED_LOSS_FUNCTIONS = (logits_of, chunked_loss_step, _held_grads, _ModelBackward, _replicated, _local, _like,
+                          _without, _unsharded_through)
