@@ -101,10 +101,12 @@ def _on_local_shards(module: nn.Module) -> None:
     (``range(x.shape[0])`` or ``range(self.w1.shape[0])``: E / EP of them here); with DTensors, a loop's shapes were
     the global ones and failed on every rank (a new user's finding)."""
     # bound to the module (a method, not a closure over it: a deep copy of the model rebinds it to the copy)
-    module.forward = types.MethodType(_local_forward, module)
+    module.forward = types.MethodType(local_forward, module)
 
 
-def _local_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def local_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s class forward with its DTensor params swapped for their local tensors while it runs (an export
+    with EP writes this function into its file)."""
     from torch.distributed.tensor import DTensor
 
     held = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}

@@ -29,7 +29,7 @@ import torch
 
 import fsdp_planner.apply.torchtitan_parallelize as titan
 from fsdp_planner.apply.chunked_loss import CHUNKED_LOSS_FUNCTIONS
-from fsdp_planner.apply.expert_parallel import expert_reduction
+from fsdp_planner.apply.expert_parallel import expert_reduction, local_forward
 from fsdp_planner.apply.fully_shard import module_parents
 from fsdp_planner.apply.torchtitan_job import torchtitan_job
 from fsdp_planner.choices import DEFAULT_PRECISION, KERNEL_PACKAGES, ExportFormat, ReduceDtype
@@ -940,19 +940,7 @@ def _on_local_shards(module: nn.Module) -> None:
     alike, as torchtitan's GroupedExperts reads its params."""
     import types
 
-    module.forward = types.MethodType(_local_forward, module)  # (bound: a deep copy rebinds it to the copy)
-
-
-def _local_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    held = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
-    try:
-        for n, p in held.items():
-            module._parameters[n] = p.to_local()
-        return type(module).forward(module, *args, **kwargs)
-    finally:
-        module._parameters.update(held)
+    module.forward = types.MethodType(local_forward, module)  # (bound: a deep copy rebinds it to the copy)
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -1099,7 +1087,7 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
         split += TP_SPLIT
     assert NAMES_CHECKED in body  # the experts are changed after the names are checked, as every other module
     body = body.replace(NAMES_CHECKED, NAMES_CHECKED + split, 1).replace(GROUP_LINE, GROUP_LINE + EP_SKIP, 1)
-    tail = EP_TAIL + EP_EXPERTS
+    tail = EP_TAIL + EP_EXPERTS + "\n\n" + inspect.getsource(local_forward)  # (apply's own, written in)
     if ep.per_param_mesh:
         assert ROOT_SHARD_END in body  # (the grads of the experts would be EP times too large without it)
         body = body.replace(ROOT_SHARD_END, ROOT_SHARD_END + EP_PER_PARAM_REDUCTION, 1)

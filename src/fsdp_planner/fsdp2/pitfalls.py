@@ -386,6 +386,7 @@ def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
     for m, _ in trace.method_calls:
         methods[m] = methods.get(m, 0) + 1
     late = _called_after_forward(trace)
+    subtree = trace.index.subtree_params
     for i, g in enumerate(plan.inner_groups):
         if len(g.modules) < 2:
             continue
@@ -399,7 +400,6 @@ def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
                                f"shard {_path(m)} in a group of its own (fully_shard({_name(m)}))", m))
         # (a group of unused modules alone never starts its forward; one tied to a used module cannot be apart)
         used = any(not trace.modules[x].unused for x in g.modules)
-        subtree = trace.index.subtree_params
         for m in (m for m in g.modules if used and trace.modules[m].unused
                   and not any(trace.param(p).is_shared for p in subtree[m])):
             out.append(Finding(Severity.WARNING, Code.LIST_GROUP_UNUSED,

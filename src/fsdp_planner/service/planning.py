@@ -746,9 +746,11 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
         if tp is not None and tp.degree > 1:
             float8 = job.options.float8 or p.float8
             key = view_key(tp, float8)
-            if key not in views:  # (without a cluster, the view's trace alone: the counts and bytes are of it)
-                found = tp_view(tr, tp, cluster, float8) if cluster is not None else None
-                views[key] = (found.trace, found.cluster) if found is not None else (tp_trace(tr, tp, float8), None)
+            if key not in views and cluster is not None:
+                found = tp_view(tr, tp, cluster, float8)
+                views[key] = found.trace, found.cluster
+            elif key not in views:  # (without a cluster, the view's trace alone: the counts and bytes are of it)
+                views[key] = tp_trace(tr, tp, float8), None
             on, dp = views[key]
         if ep is not None and ep.degree > 1:  # one EP rank's step of one TP rank's (EP's ranks span TP's)
             key = (ep.signature(), tp.signature() if tp is not None else ())
