@@ -60,6 +60,8 @@ def same_job(a: JobConfig, b: JobConfig) -> None:
     theirs = {k: v for k, v in vars(b).items() if k != "path"}
     mine["notes"], theirs["notes"] = unchunked(mine["notes"]), unchunked(theirs["notes"])
     del mine["loss_chunks"], theirs["loss_chunks"]  # (the registry's jobs chunk their loss, as the note dropped says)
+    # (the registry's jobs replay their step as a CUDA graph, TrainingConfig's default; the TOMLs' had none)
+    assert mine.pop("cuda_graphs") and theirs.pop("cuda_graphs") == (not b.path.endswith(".toml"))
     assert mine == theirs
 
 
@@ -1388,3 +1390,28 @@ def test_chunks_given_to_a_job_with_a_whole_loss_contradict_it(capsys):
     assert read_config(TORCHTITAN, spec).loss_whole
     assert main(["simulate", "--from-torchtitan", spec, "--cluster", "h100:8", "--loss-chunks", "8"]) == 2
     assert "--loss-chunks 8 contradicts torchtitan config" in capsys.readouterr().err
+
+
+def test_an_ep_job_torchtitan_would_not_capture_in_a_cuda_graph_is_refused():
+    """torchtitan's Trainer.Config refuses CUDA graphs (on unless training.disable_cuda_graphs) around an EP
+    dispatch that syncs with the host (its standard all-to-all); the reader simulated such a job as if it ran (a
+    torchtitan trial). HybridEP with a capacity factor is captured, and the flag its EP jobs set turns them off."""
+    jobs = Path(__file__).parent / "fixtures" / "user_jobs" / "moe_jobs.py"
+    with pytest.raises(PlannerError, match=r"torchtitan refuses this job: its CUDA graphs .* expert_parallel_degree "
+                                           r"= 8 runs \"standard\": set training.disable_cuda_graphs = True"):
+        read_config(TORCHTITAN, f"{jobs}:graphed_ep8")
+    assert not read_config(TORCHTITAN, f"{jobs}:graphed_ep8", ["--training.disable_cuda_graphs"]).cuda_graphs
+    assert read_config(TORCHTITAN, f"{jobs}:hybridep_ep8").cuda_graphs
+    assert read_config(TORCHTITAN, f"{jobs}:graphed_ep8", ["--parallelism.expert_parallel_degree", "1"]).ep == 1
+
+
+@pytest.mark.integration  # (the debug job planned twice: a few seconds)
+def test_a_graphed_job_bound_by_the_host_says_the_replay_is_faster(capsys):
+    """The debug model's eager step waits on the host for nearly half its time; torchtitan replays it as a CUDA
+    graph, which does not: said, with the share, and not said once the flag turns the graphs off."""
+    assert main(["plan", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8"]) == 0
+    said = re.search(r"the step here is eager, ([\d.]+) ms of it \((\d+)%\) waiting", capsys.readouterr().err)
+    assert said is not None and int(said[2]) >= 10
+    assert main(["plan", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8", "--",
+                 "--training.disable_cuda_graphs"]) == 0
+    assert "CUDA graph" not in capsys.readouterr().err

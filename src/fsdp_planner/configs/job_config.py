@@ -61,7 +61,8 @@ TITAN_SECTION_KEYS = {
                  "mixed_precision_reduce", "compile", "gc_freq", "gc_debug", "seed", "deterministic",
                  "debug_moe_force_load_balance", "warmup_steps", "tensor_parallel_degree",
                  "data_parallel_degree", "data_parallel_replicate_degree", "data_parallel_shard_degree",
-                 "enable_async_tensor_parallel", "pipeline_parallel_degree", "context_parallel_degree"},
+                 "enable_async_tensor_parallel", "pipeline_parallel_degree", "context_parallel_degree",
+                 "disable_cuda_graphs"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                     "enable_compiled_autograd", "tensor_parallel_degree", "disable_loss_parallel",
                     "enable_async_tensor_parallel", "pipeline_parallel_degree", "pipeline_parallel_split_points",
@@ -108,6 +109,7 @@ class JobConfig:
     reduce_dtype: str | None = None
     optimizer: str | None = None  # torchtitan's optimizer and its implementation, as --optimizer names them
     offload: bool = False
+    cuda_graphs: bool = False  # torchtitan replays forward and backward as a CUDA graph (not disable_cuda_graphs)
     compile_loss: bool = False  # torchtitan's compile.enable with "loss" in compile.components: the loss compiled
     compile: bool = False  # torchtitan's compile.enable (or training.compile): every block torch.compile'd
     early_stop: bool | None = None  # torchtitan's checkpoint wrapper's early_stop (None: not checkpointed, or not
@@ -462,6 +464,8 @@ def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:
         reduced = "fp32 (mixed_precision_reduce)" if reduce == "float32" else "bf16"
         cfg.notes.append("training.dtype = bfloat16 is simulated as pure-bf16: params, grads and optimizer state in "
                          f"bf16, the gradient reduction in {reduced}")
+    if "disable_cuda_graphs" in training:
+        cfg.cuda_graphs = not _bool(cfg, "training.disable_cuda_graphs", training["disable_cuda_graphs"])
     if "enable_cpu_offload" in training:
         cfg.offload = cfg.keys["training.enable_cpu_offload"] = _bool(cfg, "training.enable_cpu_offload",
                                                                       training["enable_cpu_offload"])

@@ -84,10 +84,9 @@ READ = {"training": {*TOKENS, "enable_cpu_offload", "mixed_precision_param", "mi
                         "expert_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel"},
         "compile": {"enable", "enable_async_tensor_parallel", "components"}, "activation_checkpoint": set()}
 # Keys of the current dataclasses the TOML reader does not know, and what becomes of them: None, read past (an
-# option of tensor/pipeline/context parallelism, whose degree is noted, or of a CUDA-graph replay fsdp-planner's eager
-# step does not have); a string, a note.
+# option of tensor/pipeline/context parallelism, whose degree is noted); a string, a note.
 NEW_KEYS: dict[str, dict[str, str | None]] = {
-    "training": {"disable_cuda_graphs": None},
+    "training": {},
     "parallelism": {"spmd_backend": None, "num_pp_microbatches": None,
                     "context_parallel_load_balancer": None, "context_parallel_ptrr_mask_key": None,
                     "enable_fsdp_symm_mem": "fsdp-planner models FSDP2's NCCL collectives, not symmetric-memory ones"},
@@ -816,11 +815,51 @@ def toml_tables(config: dict[str, Any], models: dict[str, str], label: str, note
             data[key] = {}  # the TOML reader names a section it does not know
     if "training" in data:
         data["training"] = _tokens(data["training"], label, notes)
+    _check_cuda_graphs(config, models, label)
+    # (TrainingConfig's default: torchtitan replays the forward and backward as a CUDA graph; the TOML jobs had none)
+    data.setdefault("training", {}).setdefault("disable_cuda_graphs", False)
     if plan is not None and PLAN_TABLE not in data:  # (an export of a model that is not torchtitan's own)
         notes.append(f"{PLAN_NAME} holds an fsdp-planner plan that this job does not apply (it sets no "
                      f"model_spec.parallelize_fn = {EXPORTED_FN}): these figures are of torchtitan's own groups for "
                      "the job's keys; simulate the plan file for the plan's")
     return data
+
+
+# the token dispatchers whose EP all-to-all a CUDA graph captures (no host sync): model_registry's moe_comm_backend,
+# and whether it needs non_blocking_capacity_factor (Trainer.Config._validate_cuda_graphs at b5bcd76)
+CAPTURED_DISPATCHERS = {"minimal_async_ep": False, "hybridep": True}
+
+
+def _check_cuda_graphs(config: dict[str, Any], models: dict[str, str], label: str) -> None:
+    """torchtitan refuses a job that CUDA-graphs an EP dispatch which syncs with the host (the standard all-to-all's
+    split sizes, DeepEP's): its own config check, which a simulated step would pass over. Only a MoE flavour has a
+    dispatcher to check."""
+    def given(section: str, key: str, default: Any) -> Any:
+        call = config.get(section)
+        return call.fields.get(key, default) if isinstance(call, Call) else default
+
+    spec = config.get("model_spec")
+    flavor = (spec.args[0] if spec.args else spec.fields.get("flavor")) if isinstance(spec, Call) else None
+    ep, off = given("parallelism", "expert_parallel_degree", 1), given("training", "disable_cuda_graphs", False)
+    if not (isinstance(ep, int) and ep > 1 and off is False and isinstance(flavor, str)
+            and _moe_flavour(models.get(spec.kind, ""), flavor)):
+        return
+    backend = given("model_spec", "moe_comm_backend", "standard")
+    if backend in CAPTURED_DISPATCHERS and not (CAPTURED_DISPATCHERS[backend]
+                                                and given("model_spec", "non_blocking_capacity_factor", None) is None):
+        return
+    if isinstance(backend, (Unread, Call)):  # (not read: noted as left out where it is not the default)
+        return
+    raise PlannerError(f"{label}: torchtitan refuses this job: its CUDA graphs (on: training.disable_cuda_graphs is "
+                       f"False, the default) capture EP's dispatch only with moe_comm_backend \"minimal_async_ep\", or "
+                       f"\"hybridep\" with a non_blocking_capacity_factor, and expert_parallel_degree = {ep} runs "
+                       f"{shown_json(backend)}: set training.disable_cuda_graphs = True (-- "
+                       "--training.disable_cuda_graphs), as its EP jobs do")
+
+
+def _moe_flavour(model: str, flavor: str) -> bool:
+    """torchtitan's MoE models: every flavour of a MoE family, and qwen3's / qwen3_5's "debugmodel_moe", "30B-A3B"."""
+    return model in ("deepseek_v3", "gpt_oss", "kimi_k2_7") or re.search(r"moe|-a\d+b$", flavor, re.I) is not None
 
 
 # torchtitan's ChunkedLossWrapper.Config's default number of chunks (torchtitan/components/loss.py at b5bcd76)

@@ -38,6 +38,7 @@ from fsdp_planner.configs.torchtitan_registry import (
     titan_model,
 )
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_time
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE, parse_cluster
 from fsdp_planner.models import BUILTINS, ModelSpec, takes_sequence
@@ -490,6 +491,15 @@ class ConfigOutcome:
     exported: tuple[Setting, StepReport | None] | None = None
 
 
+def graphed_host_note(step: StepReport) -> str:
+    """torchtitan's CUDA-graph replay launches forward and backward without the host: the eager step simulated here
+    waits on it where the host is the bound (a model of small layers), which the replay does not."""
+    return (f"torchtitan replays the forward and backward as a CUDA graph (training.disable_cuda_graphs = False, its "
+            f"default), which spends no host time on its launches and FSDP2's hooks; the step here is eager, "
+            f"{fmt_time(step.host_wait)} of it ({step.host_wait / step.step_time:.0%}) waiting on them: the replayed "
+            "step is up to that much faster (-- --training.disable_cuda_graphs runs it as simulated)")
+
+
 @contextlib.contextmanager
 def classes_named_by(cfg: JobConfig | None) -> Iterator[None]:
     """A module class the config names that the model lacks is said with the key and file that gave it (the
@@ -557,6 +567,8 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     assert job.cluster is not None and job.budget is not None and auto.search is not None
     world, before = job.cluster.world_size, traced.report
     assert before is not None
+    if cfg.cuda_graphs and before.host_wait >= 0.01 * before.step_time:
+        reporter.note(graphed_host_note(before))
     dp = world // cfg.tp
     old = _config_setting(cfg, kw, dp)
     if cfg.plan is not None and traced.plan is not None:  # an export's job: what its keys say is its plan's
