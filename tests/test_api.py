@@ -21,12 +21,12 @@ from fsdp_planner.models import load_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.integration  # (about 2.5 s: two auto searches and a command)
 def _without_workload(plan: dict) -> dict:
     assert plan["workload"]["batch"] > 0  # (a named model's, which a module's plan does not record)
     return {k: v for k, v in plan.items() if k != "workload"}
 
 
+@pytest.mark.integration  # (about 2.5 s: two auto searches and a command)
 def test_plan_is_the_cli_plan_for_a_spec_a_meta_module_and_a_real_one(capsys, tmp_path):
     """The API gives the plan ``plan --policy auto --out`` writes; a real model gets the same plan as its meta
     build, and its params (values, dtypes, grads, device) are left as they were."""
@@ -80,7 +80,11 @@ def test_a_classic_policy_and_its_options():
     ({"ac_policy": "titan"}, "give it with ac='op'"),
     ({"memory_budget": "60GiB", "headroom": 0.1}, "give memory_budget or headroom, not both"),
     ({"micro_batches": 0}, "micro_batches must be from 1 to 1,000,000, got 0"),
-    ({"cluster": ""}, "cluster must be a non-empty string"),
+    ({"cluster": ""}, "cluster must be a Cluster or a non-empty string"),
+    ({"cluster": 8}, r"cluster must be a Cluster or a non-empty string .*, got 8"),
+    ({"policy": None}, "policy must be a policy's name"),  # (it returned the module policy's plan)
+    # in the API's names, not the command line's (--memory-budget, --hf-config)
+    ({"memory_budget": -5}, "^memory_budget must be positive, got -5"),
     ({"cluster": "h100:x"}, "h100:x"),
     ({"precision": "fp8"}, "fp8"),
     ({"batch": "4"}, "batch must be a whole number, got '4'"),  # was a TypeError from inside the trace
@@ -90,7 +94,7 @@ def test_a_classic_policy_and_its_options():
     ({"attention": "paged"}, "attention must be one of"),
     ({"routing": 0.0}, "routing must be a capacity factor"),
     ({"hf_config": ["n_layer=2"]}, "hf_config must be a dict of config fields"),
-    ({"hf_config": {"n_layer": 2}}, "applies to hf: models"),
+    ({"hf_config": {"n_layer": 2}}, "^hf_config sets fields .* applies to hf: models"),
     ({"micro_batches": "auto"}, "micro_batches='auto' lets policy='auto' split batch"),
     # only what is missing is asked for (the batch given was asked for too)
     ({"micro_batches": "auto", "batch": 4, "policy": "titan"}, "of the step: add policy='auto'$"),
@@ -196,3 +200,59 @@ def test_a_real_model_with_tied_weights_plans_as_its_spec():
     want = fp.plan("toy-gpt2-tied", cluster="h100:2").to_dict()
     assert {**got, "model": None} == {**_without_workload(want), "model": None}
     assert real.model.lm_head.weight is real.model.wte.weight and not real.model.wte.weight.is_meta
+
+
+HAND_PLAN = ROOT / "docs" / "examples" / "hand_plan.json"
+
+
+def test_simulate_checks_a_plan_against_the_trace_as_the_cli_does(capsys):
+    """A hand-written plan (module lists) loaded by ``Plan.load`` simulated a step that gathered nothing (0
+    all-gathers, no warning: a new user's trial); a plan of another model raised a KeyError. The API's ``simulate``
+    and ``plan_metrics`` derive its params and check it as ``simulate --plan`` does."""
+    lm = load_model(f"{ROOT / 'docs' / 'examples' / 'my_model.py'}:build")
+    tr = fp.trace(lm.model, lm.example_inputs, lm.loss_fn)
+    hand = fp.Plan.load(str(HAND_PLAN))
+    step = fp.simulate(tr, hand, "h100:2", timeline=False)
+    assert cli.main(["simulate", f"{ROOT / 'docs' / 'examples' / 'my_model.py'}:build", "--plan", str(HAND_PLAN),
+                     "--cluster", "h100:2", "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert step.all_gathers == said["all_gathers"] > 0 and step.step_time == pytest.approx(said["step_time"])
+    assert fp.plan_metrics(tr, hand).all_gathers == step.all_gathers
+    other = load_model("seed-net")
+    seed = fp.trace(other.model, other.example_inputs, other.loss_fn)
+    with pytest.raises(PlannerError, match=r"plan names modules the model does not have: blocks\.0"):
+        fp.simulate(seed, hand, "h100:2")  # (a hand-written plan)
+    plan = fp.ExecutionOrderPolicy().plan(tr)
+    with pytest.raises(PlannerError, match="plan was made for another model"):
+        fp.plan_metrics(seed, plan)  # (a plan that lists params: a KeyError before)
+    with pytest.raises(PlannerError, match="activation_checkpointing names modules the model does not have: nosuch"):
+        fp.simulate(tr, plan.replace(activation_checkpointing=["nosuch"]), fp.parse_cluster("h100:8"))
+    with pytest.raises(PlannerError, match="simulate needs a cluster"):
+        fp.simulate(tr, plan, None)  # type: ignore[arg-type]
+
+
+def test_a_model_that_fails_its_own_step_is_one_sentence(capfd):
+    """A shape error in the model's forward was a bare RuntimeError after 38 logged tracebacks of fake tensors
+    (the meta attempt failed, then the real model under fake tensors): one PlannerError naming the op and module,
+    as the command line says it, and nothing logged; a loss_fn that is no function is said so."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    with pytest.raises(PlannerError, match=r"^tracing the Sequential model failed: aten.addmm in module '0' raised "
+                                           r"RuntimeError: a and b must have same reduction dim"):
+        fp.plan(model, (torch.randn(8, 3),))
+    assert "Traceback" not in capfd.readouterr().err
+    with pytest.raises(PlannerError, match="loss_fn must be a function of the model's output, got int"):
+        fp.plan(model, (torch.randn(8, 64),), 3)  # type: ignore[arg-type]
+
+
+def test_the_policies_take_what_plan_takes():
+    """``AutoPolicy("h100:8")`` was an AttributeError and a budget "3MiB" a TypeError, though ``fp.plan`` takes both;
+    ``ModuleWrapPolicy("TransformerBlock")`` wrapped the classes T, r, a, ...: each as ``fp.plan`` reads it."""
+    lm = load_model("toy-llama")
+    tr = fp.trace(lm.model, lm.example_inputs, lm.loss_fn)
+    assert fp.AutoPolicy("h100:8", memory_budget="3MiB").plan(tr) == \
+        fp.AutoPolicy(fp.parse_cluster("h100:8"), memory_budget=3 * 2**20).plan(tr)
+    assert fp.ModuleWrapPolicy("TransformerBlock").plan(tr) == fp.ModuleWrapPolicy(("TransformerBlock",)).plan(tr)
+    with pytest.raises(PlannerError, match="cluster must be a Cluster or a preset"):
+        fp.AutoPolicy(8)  # type: ignore[arg-type]
+    with pytest.raises(PlannerError, match="module_classes must be class names"):
+        fp.ModuleWrapPolicy(("Block", 3))  # type: ignore[arg-type]

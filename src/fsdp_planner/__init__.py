@@ -14,7 +14,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fsdp_planner.api import plan
+    from fsdp_planner.api import plan, plan_metrics, simulate
     from fsdp_planner.apply import apply_plan
     from fsdp_planner.errors import PlannerError
     from fsdp_planner.fsdp2 import Group, Plan
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
         SizeBasedPolicy,
         TorchtitanPolicy,
     )
-    from fsdp_planner.sim import PlanMetrics, SimOptions, StepReport, plan_metrics, simulate
+    from fsdp_planner.sim import PlanMetrics, SimOptions, StepReport
     from fsdp_planner.sim.tracing import PrecisionError, trace
     from fsdp_planner.trace import Trace
 
@@ -39,7 +39,9 @@ _SOURCES = {
     "Cluster": "fsdp_planner.hardware", "parse_cluster": "fsdp_planner.hardware",
     **dict.fromkeys(("AutoPolicy", "ExecutionOrderPolicy", "ModuleWrapPolicy", "SizeBasedPolicy", "TorchtitanPolicy"),
                     "fsdp_planner.planners"),
-    **dict.fromkeys(("PlanMetrics", "SimOptions", "StepReport", "plan_metrics", "simulate"), "fsdp_planner.sim"),
+    **dict.fromkeys(("PlanMetrics", "SimOptions", "StepReport"), "fsdp_planner.sim"),
+    # (the API's simulate and plan_metrics check a plan against the trace first, as the command line does)
+    **dict.fromkeys(("plan_metrics", "simulate"), "fsdp_planner.api"),
     # ``trace`` at a precision (default the command line's): the API and every command trace alike
     "PrecisionError": "fsdp_planner.sim.tracing", "trace": "fsdp_planner.sim.tracing",
     "Trace": "fsdp_planner.trace",

@@ -9,6 +9,7 @@ script can plan and then train the very model it built.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from copy import deepcopy
 from typing import Any
@@ -24,14 +25,21 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec
+from fsdp_planner.patching import quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.service.job import DEFAULT_CLUSTER
+from fsdp_planner.service.plan_files import checked_on_trace
 from fsdp_planner.service.planning import Tracer
 from fsdp_planner.service.planning import plan as plan_job
-from fsdp_planner.service.tracing import trace_spec, with_loss_chunks
+from fsdp_planner.service.tracing import step_failure, trace_spec, with_loss_chunks
 from fsdp_planner.service.validate import Keywords, Spelling
+from fsdp_planner.service.validate import cluster as checked_cluster
 from fsdp_planner.service.validate import plan_job as checked_job
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.metrics import PlanMetrics
+from fsdp_planner.sim.metrics import plan_metrics as metrics_of
+from fsdp_planner.sim.options import Precision, SimOptions
+from fsdp_planner.sim.simulate import StepReport
+from fsdp_planner.sim.simulate import simulate as simulate_step
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.chunked_loss import cross_entropy
 from fsdp_planner.trace.records import Trace
@@ -73,14 +81,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     factory's model; a step that cannot run on meta (a tensor made on an explicit device in forward) is traced on
     the real model under fake tensors instead, its params' values, dtypes and grads restored.
     """
-    if isinstance(model, str):
-        if inputs is not None or loss_fn is not None:
-            raise PlannerError("a MODEL spec string brings its own inputs and loss_fn (its factory's): give inputs "
-                               "and loss_fn with an nn.Module only")
-    elif isinstance(model, nn.Module):
-        _check_module(model, inputs, batch, seq, hf_config)
-    else:
-        raise PlannerError(f"model must be an nn.Module or a MODEL spec string, got {type(model).__name__}")
+    _check_model(model, inputs, loss_fn, policy, batch, seq, hf_config)
     keywords = Keywords(
         model=model if isinstance(model, str) else None, cluster=cluster, policy=policy, precision=precision,
         optimizer=optimizer, batch=batch, seq=seq, ac=ac, ac_policy=ac_policy, early_stop=early_stop, mesh=mesh,
@@ -97,6 +98,48 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     outcome = plan_job(job, tracer)
     assert outcome.plan is not None  # one policy: its plan, or its error
     return outcome.plan
+
+
+def simulate(trace: Trace, plan: Plan, cluster: Cluster | str, options: SimOptions | None = None, *,
+             timeline: bool = True) -> StepReport:
+    """One step of ``plan`` on ``cluster`` (a ``Cluster``, a preset such as ``"h100:64"`` or a cluster JSON path):
+    ``fsdp-planner simulate``'s figures. The plan is checked against ``trace`` as the command line checks a plan
+    file: a hand-written plan (module lists, as ``Plan.load`` reads one) gets its params derived; one made for
+    another model, or naming modules, checkpointing or params the model lacks, is a one-sentence ``PlannerError``
+    (unchecked, such a plan simulated a step that gathers nothing). ``timeline=False`` skips the timeline, which
+    only pictures need."""
+    named = checked_cluster(cluster, Spelling.API)
+    if named is None:
+        raise PlannerError("simulate needs a cluster: a Cluster, a preset such as 'h100:8' or a cluster JSON path")
+    return simulate_step(trace, checked_on_trace(plan, trace), named, options, timeline=timeline)
+
+
+def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None,
+                 precision: Precision | None = None) -> PlanMetrics:
+    """Collective counts and bytes of one step of ``plan`` on ``world_size`` ranks (None: nothing padded), at each
+    param's dtype or ``precision``'s, the plan checked against ``trace`` as ``simulate`` checks it."""
+    return metrics_of(trace, checked_on_trace(plan, trace), world_size, precision)
+
+
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"  # logs each op's error before raising it
+
+
+def _check_model(model: object, inputs: Any, loss_fn: object, policy: object, batch: object, seq: object,
+                 hf_config: object) -> None:
+    """A MODEL spec string alone, or an ``nn.Module`` with what it needs; one policy (this call returns one plan)."""
+    if policy is None:  # (the command line's comparison of every policy)
+        raise PlannerError("policy must be a policy's name (auto, titan, module, size or order): plan returns that "
+                           "policy's plan")
+    if isinstance(model, str):
+        if inputs is not None or loss_fn is not None:
+            raise PlannerError("a MODEL spec string brings its own inputs and loss_fn (its factory's): give inputs "
+                               "and loss_fn with an nn.Module only")
+    elif isinstance(model, nn.Module):
+        _check_module(model, inputs, batch, seq, hf_config)
+        if loss_fn is not None and not callable(loss_fn):
+            raise PlannerError(f"loss_fn must be a function of the model's output, got {type(loss_fn).__name__}")
+    else:
+        raise PlannerError(f"model must be an nn.Module or a MODEL spec string, got {type(model).__name__}")
 
 
 def _check_module(model: nn.Module, inputs: Any, batch: object, seq: object, hf_config: object) -> None:
@@ -128,6 +171,7 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
     """The module's step traced as the command line traces a factory's (under the job's attention kernel and
     routing capacity): on its meta twin, or, when the step cannot run on meta, the real model under fake tensors."""
     routing = spec.routing or DEFAULT_CAPACITY
+    label = f"the {type(model).__name__} model"
     with kernel(spec.attention):
         try:
             copy, meta_inputs = _on_meta(model, inputs)
@@ -139,14 +183,19 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
                              routing=routing, fp32_modules=spec.fp32_modules)
         except PlannerError:  # the verdict of the step in the precision (PrecisionError): the model's, not meta's
             raise
-        except Exception:
+        except (SystemExit, Exception) as e:
             if copy is model:
-                raise
+                raise step_failure(e, label) from e
         # a step that cannot run on meta (a tensor made on an explicit device in forward): the real model under
-        # fake tensors, its grads kept
-        with _grads_kept(model):
-            return trace(model, inputs, loss_fn, precision=options.precision, routing=routing,
-                         fp32_modules=spec.fp32_modules)
+        # fake tensors, its grads kept (an error of the step is said once, not logged by each fake op it fails in)
+        with _grads_kept(model), quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
+            try:
+                return trace(model, inputs, loss_fn, precision=options.precision, routing=routing,
+                             fp32_modules=spec.fp32_modules)
+            except PlannerError:
+                raise
+            except (SystemExit, Exception) as e:
+                raise step_failure(e, label) from e
 
 
 def _on_meta(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:

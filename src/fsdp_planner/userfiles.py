@@ -48,6 +48,8 @@ def check_regular_file(path: Path, label: str) -> None:
         raise PlannerError(f"{label} {what}") from None
     except OSError as e:  # a loop of links (ELOOP), a name too long, a directory we may not enter
         raise PlannerError(f"cannot read {label}: {e.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise PlannerError(f"{label} is a directory: give a file in it")
     if not stat.S_ISREG(mode):
         raise PlannerError(f"{label} is not a regular file (a FIFO, socket or device): give the file itself")
 

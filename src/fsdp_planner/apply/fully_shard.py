@@ -103,9 +103,9 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     plan's layout over the default process group (``device_mesh``). With tensor parallelism, ``mesh`` has named
     dims with ``tp`` among them: ``parallelize_module`` over it first (``apply_tp``), then checkpointing, then
     ``fully_shard`` over the data-parallel dims, as torchtitan's ``parallelize`` orders them. With expert
-    parallelism, the expert modules over ``ep`` and the EP-reduced mesh first (``shard_experts``). The plan's memory
-    options (offload, shard dims, reduce dtype) apply unless ``mp_policy`` / ``offload_policy`` say otherwise
-    (``plan_policies``)."""
+    parallelism, the expert modules over ``ep`` and the EP-reduced mesh first (``shard_experts``). ``mp_policy``
+    (default FSDP2's) with the plan's reduce dtype where it records one, which replaces the policy's (the step it
+    was simulated with); the plan's CPU offload unless ``offload_policy`` is given (``plan_policies``)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     _check_modules(model, plan)

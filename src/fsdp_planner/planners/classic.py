@@ -36,6 +36,12 @@ class ModuleWrapPolicy:
     module_classes: tuple[str, ...] = ()
     name: str = "module"
 
+    def __post_init__(self) -> None:
+        if isinstance(self.module_classes, str):  # one class by name, not its letters
+            self.module_classes = (self.module_classes,)
+        if not all(isinstance(c, str) and c for c in self.module_classes):
+            raise PlannerError(f"module_classes must be class names (strings), got {self.module_classes!r}"[:300])
+
     def plan(self, trace: Trace, model: str = "") -> Plan:
         """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
         return runnable(trace, self.build(trace, model))

@@ -102,20 +102,31 @@ def checked_on_model(read: Plan, path: str, tr: Trace, model: ModelSpec | str,
     ``world``) a layout and int ``reshard_after_forward`` FSDP2 applies on that many ranks. A hand-written plan
     (module lists) is returned with its params derived."""
     check_hf_config(read, as_spec(model), path)  # (as read: a hand-written plan has no fingerprint until derived)
+    plan = checked_on_trace(read, tr, note, lambda p: check_plan_tp(p, tr, as_spec(model), note))
+    check_plan_methods(plan, model)
+    if world is not None:
+        check_plan_world_size(plan, world)
+    return plan
+
+
+def checked_on_trace(read: Plan, tr: Trace, note: Callable[[str], None] = lambda line: None,
+                     check_tp: Callable[[Plan], None] | None = None) -> Plan:
+    """What of ``checked_on_model`` the trace alone decides (the Python API's ``simulate`` has no model spec):
+    the params its groups list those the traced model has and FSDP2 claims (derived for a hand-written plan),
+    shard dims the params have, EP that applies, a step that reads no sharded param. ``check_tp``: the TP check,
+    which needs the model's spec (a trace alone: checked by the TP view it is simulated on)."""
     check_loss_head(read, tr)
     plan = _titled(with_claimed_params(read, tr))
     if (said := _filtering_nothing(plan, tr)) is not None:  # (before a refusal it may explain)
         note(said)
     check_shard_dims(plan, tr)
     check_same_model(plan, tr)  # (before the TP and EP checks, which read the groups)
-    check_plan_tp(plan, tr, as_spec(model), note)
+    if check_tp is not None:
+        check_tp(plan)
     check_plan_ep(plan, tr)
     check_compiled_groups(plan, tr.compiled)  # (--compile's blocks: no group, nor EP's dispatch, inside them)
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
-    check_plan_methods(plan, model)
-    if world is not None:
-        check_plan_world_size(plan, world)
     return plan
 
 

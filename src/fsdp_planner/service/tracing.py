@@ -56,16 +56,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
                        reuse=not full, routing=spec.routing or DEFAULT_CAPACITY, fp32_modules=spec.fp32_modules)
     except PlannerError:  # a PrecisionError among them: the model fails in the compute dtype only
         raise
-    except SystemExit as e:  # the model's forward or loss_fn: an error, never a silent exit with its status
-        raise PlannerError(exit_message(e, f"running the forward, backward or loss_fn of '{spec}'")) from e
-    except Exception as e:
-        failed = failed_at(e)
-        if data_dependent(e, failed.op if failed else None):
-            raise PlannerError(f"tracing '{spec}' failed: {failed.describe() if failed else 'an op'} {WAY_OUT}") from e
-        if isinstance(e, CheckpointError):
-            raise PlannerError(f"tracing '{spec}' failed: {SELF_CHECKPOINTING}") from e
-        raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}{_loss_hint(e)}"
-                           f"{'' if full else _replay_hint(e)}") from e
+    except (SystemExit, Exception) as e:
+        raise step_failure(e, f"'{spec}'", full) from e
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
     encoder = hf.encoder_note(lm.model) if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr, lm.model),
@@ -77,6 +69,20 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
             note(line)
     tr = _with_its_loss(tr, lm, spec, loss_inputs, precision or SimOptions().precision, note)
     return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
+
+
+def step_failure(e: BaseException, label: str, full: bool = False) -> PlannerError:
+    """The one sentence for an error of the model's own step (its forward, backward or loss_fn) while tracing the
+    model ``label`` names: the op and module it failed in, and what to do where that is known."""
+    if isinstance(e, SystemExit):  # an error, never a silent exit with its status
+        return PlannerError(exit_message(e, f"running the forward, backward or loss_fn of {label}"))
+    failed = failed_at(e)
+    if data_dependent(e, failed.op if failed else None):
+        return PlannerError(f"tracing {label} failed: {failed.describe() if failed else 'an op'} {WAY_OUT}")
+    if isinstance(e, CheckpointError):
+        return PlannerError(f"tracing {label} failed: {SELF_CHECKPOINTING}")
+    return PlannerError(f"tracing {label} failed: {model_error(e)}{_device_hint(e)}{_loss_hint(e)}"
+                        f"{'' if full else _replay_hint(e)}")
 
 
 def _step_loss(lm: LoadedModel, spec: ModelSpec, note: Callable[[str], None]) -> Callable[[Any], Any] | None:

@@ -41,7 +41,7 @@ from fsdp_planner.limits import (
     MIN_MFU,
 )
 from fsdp_planner.models import MAX_ROUTING, MIN_ROUTING, ModelSpec
-from fsdp_planner.models.hf import MAX_OVERRIDES
+from fsdp_planner.models.hf import MAX_OVERRIDES, is_hf
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
 from fsdp_planner.service.job import PlanJob, default_cluster
 from fsdp_planner.sim.budget import Headroom, MemoryBudget, parse_headroom
@@ -241,6 +241,10 @@ def policy_request(kw: Keywords, name: object, spell: Spelling) -> PolicyRequest
     effort = whole(kw.search_effort, "search_effort", spell, 0, MAX_SEARCH_EFFORT) \
         if kw.search_effort is not None else None
     auto = policy is PolicyName.AUTO
+    for key, size, used in (("target_bytes", target_bytes, policy is PolicyName.ORDER),
+                            ("memory_budget", budget, auto)):
+        if used and size is not None and size < 1:  # (in the caller's spelling; an ignored one is only noted)
+            raise _bad(spell, key, "positive", getattr(kw, key))
     return PolicyRequest(
         policy,
         module_classes=classes if policy in (PolicyName.MODULE, PolicyName.TITAN) else (),
@@ -352,8 +356,13 @@ def model_spec(kw: Keywords, spell: Spelling, name: str | None = None) -> ModelS
     routing = number(kw.routing, "routing", spell, MIN_ROUTING, MAX_ROUTING,
                      f"a capacity factor from {MIN_ROUTING} to {MAX_ROUTING:g}") \
         if kw.routing is not None else None
-    return ModelSpec(name or text(kw.model, "model", spell), batch // n if batch is not None else None, seq,
-                     attention, routing, hf_config(kw.hf_config, spell), flag(kw.compile, "compile", spell),
+    fields = hf_config(kw.hf_config, spell)
+    model = name or text(kw.model, "model", spell)
+    if fields and not is_hf(model):  # (said in the caller's spelling: ModelSpec says --hf-config)
+        raise PlannerError(f"{spell.name_of('hf_config')} sets fields of a Hugging Face config: it applies to hf: "
+                           f"models, not {cut_short(repr(model))}")
+    return ModelSpec(model, batch // n if batch is not None else None, seq, attention, routing, fields,
+                     flag(kw.compile, "compile", spell),
                      fp32_modules(kw.fp32_modules, spell), flag(kw.compile_loss, "compile_loss", spell),
                      whole(kw.loss_chunks, "loss_chunks", spell, 2, MAX_LOSS_CHUNKS) if kw.loss_chunks is not None
                      else 0)
@@ -473,7 +482,10 @@ def cluster(value: object, spell: Spelling, rate: object = None) -> Cluster | No
     """The cluster ``value`` names, with the host's CPU optimizer rate when one is given."""
     if value is None or isinstance(value, Cluster):
         return value
-    return named(text(value, "cluster", spell), rate, spell)
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(spell, "cluster", "a Cluster or a non-empty string (a preset such as 'h100:8', or a cluster JSON "
+                   "path)" if spell is Spelling.API else "a non-empty string", value)
+    return named(value, rate, spell)
 
 
 def named(spec: str, rate: object, spell: Spelling) -> Cluster:

@@ -35,13 +35,13 @@ from enum import Enum
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.choices import DEFAULT_SAC_POLICY, ExpertPlacement, SacPolicy, ShardPlacement
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes, fmt_count
+from fsdp_planner.fmt import fmt_bytes, fmt_count, parse_size
 from fsdp_planner.fsdp2.checkpointing import ACMode, check_saved_topk, checkpointed_blocks, own_overlap
 from fsdp_planner.fsdp2.dtypes import several_kinds
 from fsdp_planner.fsdp2.plan import Mesh, Plan, RunOptions, divisors
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
-from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
 from fsdp_planner.planners.auto.candidates import (
     ModuleTreeCuts,
@@ -216,6 +216,13 @@ class AutoPolicy:
     ep_placement: ExpertPlacement | None = None  # where the EP screen shards the experts; None: it chooses
 
     def __post_init__(self) -> None:
+        if isinstance(self.cluster, str):  # a preset or a cluster file, as fsdp_planner.plan takes it
+            self.cluster = parse_cluster(self.cluster)
+        if not isinstance(self.cluster, Cluster):
+            raise PlannerError("cluster must be a Cluster or a preset such as 'h100:8' (or a cluster JSON path), got "
+                               f"{type(self.cluster).__name__}")
+        if isinstance(self.memory_budget, str):  # "3MiB", as --memory-budget reads it
+            self.memory_budget = parse_size(self.memory_budget, "memory_budget")
         if not isinstance(self.target, Target):
             try:
                 self.target = Target(self.target)
