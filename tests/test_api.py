@@ -256,3 +256,18 @@ def test_the_policies_take_what_plan_takes():
         fp.AutoPolicy(8)  # type: ignore[arg-type]
     with pytest.raises(PlannerError, match="module_classes must be class names"):
         fp.ModuleWrapPolicy(("Block", 3))  # type: ignore[arg-type]
+
+
+def test_tp_on_a_users_module_is_the_specs_plan():
+    """``fp.plan(module, inputs, loss_fn, tp=2)`` on a model whose layout is detected (column-then-row pairs) was
+    "unknown model '<class name>'" on every rank (a new user's trial): one TP rank's step is checked on a meta twin
+    of the module, as on its factory's model; the plan is the spec's, and the module is left as it was."""
+    spec = f"{ROOT / 'tests' / 'fixtures' / 'tp_detected.py'}:pairs_mlp"
+    module = load_model(spec, meta=False)
+    before = {n: t.detach().clone() for n, t in module.model.state_dict().items()}
+    mine = fp.plan(module.model, module.example_inputs, module.loss_fn, cluster="h100:4", tp=2)
+    theirs = fp.plan(spec, cluster="h100:4", tp=2)
+    assert mine.tensor_parallel == theirs.tensor_parallel and mine.tensor_parallel.degree == 2
+    assert _without_workload(theirs.to_dict())["groups"] == mine.to_dict()["groups"]
+    after = module.model.state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)

@@ -24,14 +24,13 @@ from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PolicyNam
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec
+from fsdp_planner.models import LoadedModel, ModelSpec
 from fsdp_planner.patching import quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.service.job import DEFAULT_CLUSTER
 from fsdp_planner.service.plan_files import checked_on_trace
-from fsdp_planner.service.planning import Tracer
 from fsdp_planner.service.planning import plan as plan_job
-from fsdp_planner.service.tracing import step_failure, trace_spec, with_loss_chunks
+from fsdp_planner.service.tracing import built_by, step_failure, trace_spec, with_loss_chunks
 from fsdp_planner.service.validate import Keywords, Spelling
 from fsdp_planner.service.validate import cluster as checked_cluster
 from fsdp_planner.service.validate import plan_job as checked_job
@@ -93,9 +92,11 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         loss_chunks=None if loss_chunks == 0 and type(loss_chunks) is int else loss_chunks)
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
                       split_by_default=True)
-    tracer: Tracer = ((lambda spec, options: trace_spec(spec, options.precision)) if isinstance(model, str)
-                      else lambda spec, options: _with_its_chunks(model, inputs, loss_fn, spec, options))
-    outcome = plan_job(job, tracer)
+    if isinstance(model, str):
+        outcome = plan_job(job, lambda spec, options: trace_spec(spec, options.precision))
+    else:
+        with built_by(lambda spec: _meta_twin(model, inputs, cross_entropy if spec.loss_chunks else loss_fn)):
+            outcome = plan_job(job, lambda spec, options: _with_its_chunks(model, inputs, loss_fn, spec, options))
     assert outcome.plan is not None  # one policy: its plan, or its error
     return outcome.plan
 
@@ -210,6 +211,14 @@ def _on_meta(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
             empty = torch.empty_like(t, device="meta")
             memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
     return deepcopy(model, memo), moved
+
+
+def _meta_twin(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> LoadedModel:
+    """A fresh meta twin of ``model`` with its inputs and loss on meta, as the service builds a MODEL spec's
+    (``service/tracing.built_by``): one TP rank's step is checked on it, its Linears split (never the user's)."""
+    copy, meta_inputs = _on_meta(model, inputs)
+    return LoadedModel(type(model).__name__, deepcopy(copy) if copy is model else copy, meta_inputs,
+                       _on_meta_loss(loss_fn))
 
 
 class _RealToMeta(TorchDispatchMode):

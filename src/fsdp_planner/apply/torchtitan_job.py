@@ -249,7 +249,7 @@ def _float8_notes(plan: Plan, precision: Precision) -> list[str]:
     if f8 is not None and plan.model in FLAVORS and f8.recipe.value not in TITAN_FLOAT8_RECIPES:
         out.append(f"torchtitan's Float8LinearConverter has the rowwise recipes only, not the plan's {f8.recipe.value} "
                    "(nor FSDP's float8 all-gather): fsdp_planner_job() has no float8 converter (parallelize() converts "
-                   "the Linears itself); read back with --from-torchtitan, it is a bf16 job")
+                   "the Linears itself, as the plan it holds says, which --from-torchtitan reads back)")
     if f8 is not None and plan.model not in FLAVORS:
         flags = f"--float8 {f8.recipe.value}" + (" --float8-tp-all-gather" if f8.tp_float8_all_gather else "")
         out.append(f"the job names no torchtitan model for {plan.model or 'this model'}, so fsdp_planner_job() has no "

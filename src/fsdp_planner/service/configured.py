@@ -39,7 +39,8 @@ from fsdp_planner.configs.torchtitan_registry import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_time
-from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.fsdp2.float8 import OUTPUT_HEAD_FQNS
+from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE, parse_cluster
 from fsdp_planner.models import BUILTINS, ModelSpec, takes_sequence
 from fsdp_planner.planners.blocks import ClassesNotFound
@@ -535,6 +536,18 @@ def _auto(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter, earl
     return search(kw.early_stop)
 
 
+def with_held_float8(kw: Keywords, held: Plan) -> Keywords:
+    """The keywords auto plans with on an export's job: the float8 training its ``parallelize_fn`` applies from the
+    plan it holds (a recipe torchtitan's converter lacks: no converter among the job's keys), which auto kept off
+    and so advised the slower bf16 plan."""
+    f8 = held.float8
+    if f8 is None or kw.float8 is not None:
+        return kw
+    skip = tuple(n for n in f8.filter_fqns if n not in OUTPUT_HEAD_FQNS)
+    return dataclasses.replace(kw, float8=f8.recipe.value, float8_all_gather=f8.fsdp_float8_all_gather,
+                               float8_skip=skip or None, float8_tp_all_gather=f8.tp_float8_all_gather or None)
+
+
 def _config_setting(cfg: JobConfig, kw: Keywords, dp: int) -> Setting:
     """What the config's keys set of a job over ``dp`` data-parallel ranks (its EP degree: the config's or
     ``--ep``, as ``kw`` has it)."""
@@ -557,6 +570,7 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
         held = load_plan(f"{cfg.path}'s {PLAN_NAME}", tr, job.model, reporter.note, job.cluster.world_size,
                          job.options.micro_batches, job.options.optimizer.name, text=cfg.plan)
         traced = given_outcome(job, tr, held)
+        kw = with_held_float8(kw, held)
 
     def same_trace(spec: ModelSpec, options: SimOptions) -> Trace:
         # the job's model, workload and precision: its trace; auto's TP layouts trace the model at d times the

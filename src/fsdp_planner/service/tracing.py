@@ -3,10 +3,12 @@ under the spec's attention kernel and routing capacity, each failure one sentenc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from copy import deepcopy
 from typing import Any
 
@@ -172,6 +174,28 @@ class LayoutDoesNotRun(PlannerError):
         self.reason = reason or message
 
 
+# how a job's model is built on meta where no MODEL spec builds it (the Python API's nn.Module): ``built_by``
+_BUILDER: ContextVar[Callable[[ModelSpec], LoadedModel] | None] = ContextVar("model_builder", default=None)
+
+
+@contextlib.contextmanager
+def built_by(build: Callable[[ModelSpec], LoadedModel]) -> Iterator[None]:
+    """While a job plans, the model its spec names is ``build``'s (a fresh meta twin each call, which
+    ``check_local_shapes`` changes): the Python API's ``nn.Module`` has a spec of its class's name alone, which no
+    factory builds."""
+    token = _BUILDER.set(build)
+    try:
+        yield
+    finally:
+        _BUILDER.reset(token)
+
+
+def meta_model(spec: ModelSpec) -> LoadedModel:
+    """The model ``spec`` names, on meta: ``built_by``'s where one is set, else its factory's."""
+    build = _BUILDER.get()
+    return build(spec) if build is not None else load_model(spec, meta=True)
+
+
 def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = False) -> tuple[str, ...]:
     """Trace one TP rank's step of a detected layout (column-then-row pairs), or of a plan file's made of
     ``LOCAL_STYLES`` only (``plan_file``): each colwise Linear with 1/TP of its output features, each rowwise one
@@ -181,7 +205,7 @@ def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = Fa
     sentence, not on the ranks. Then each module holding a rowwise Linear (one of each class) is run on numbers,
     whole and as the ranks run it (``tp_numerics``): a layout that runs but computes something else is refused.
     Returns a note per module that check could not run."""
-    lm = load_model(spec, meta=True)
+    lm = meta_model(spec)
     d = tp.degree
     styles = {n: s for n, s in tp.styles(dict(lm.model.named_modules())).items()
               if s in LOCAL_STYLES and isinstance(lm.model.get_submodule(n), nn.Linear)}
