@@ -280,3 +280,21 @@ def test_auto_line_says_cpu_offload(capsys) -> None:
     line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("auto:"))
     assert ", CPU offload (optimizer step on the CPU " in line and "M elements/s per rank: preset" in line
     assert "), step " in line  # the host's rate and its source, then the step
+
+
+def test_explain_shows_a_tie_as_no_change_not_float_noise():
+    """A tie's step differs from the plan's by float noise: it read "(-1.7e-14%)" (a new user's trial); a change
+    too small for two decimals still reads in two significant digits."""
+    from rich.console import Console
+
+    from fsdp_planner.cli.render import explain_table
+    from fsdp_planner.planners.auto.explain import GroupExplanation, Reason
+    from fsdp_planner.planners.auto.refine import Move
+
+    def row(step: float) -> GroupExplanation:
+        return GroupExplanation(0, ["layers.0"], 2**20, 1e-4, 0.1, 2e-4, Reason.TIE, Move.MERGED, step, 2**30)
+
+    console = Console(width=300, record=True)
+    console.print(explain_table([row(0.32 * (1 - 5e-16)), row(0.32 * (1 - 3e-6))], 0.32, 2**30))
+    text = console.export_text()
+    assert "320 ms (+0.00%)" in text and "e-14" not in text and "(-0.0003%)" in text

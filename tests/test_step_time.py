@@ -138,6 +138,17 @@ def test_verify_says_a_gpu_cluster_is_not_comparable_with_cpu_ranks(capsys, monk
     assert "not comparable" in err and "calibrate --backend gloo --nproc 2" in err
 
 
+
+@pytest.mark.integration  # (a two-rank gloo job: ~10 s)
+def test_verify_shows_no_error_between_a_gpu_prediction_and_cpu_ranks(capsys) -> None:
+    """The table put "-84.7%" beside an H100's prediction and a CPU rank's time, which a new user read as the
+    model's error: the row says the two are not comparable."""
+    from fsdp_planner import cli
+
+    assert cli.main(["verify", "seed-net", "--policy", "order", "--nproc", "2", "--cluster", "h100:2"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "step time" in line)
+    assert "not comparable (CPU ranks)" in row and "%" not in row
+
 DIVERGES = '''
 import torch
 import torch.nn as nn

@@ -408,14 +408,15 @@ def strategy_table(rows: Mapping[str, MemoryBreakdown], title: str) -> Table:
 OK, BAD = "[green]ok[/green]", "[red]MISMATCH[/red]"
 
 
-def verify_table(result: VerifyResult, cluster: str | None = None) -> Table:
-    """Predicted beside measured for each check; the step time when one was timed (predicted with ``cluster``)."""
+def verify_table(result: VerifyResult, cluster: str | None = None, comparable: bool = True) -> Table:
+    """Predicted beside measured for each check; the step time when one was timed (predicted with ``cluster``;
+    ``comparable``: on the hardware that ran it, else no error is shown beside it)."""
     t = Table(title=f"verify: {result.world_size} ranks, {result.backend}, {result.steps} steps"
               + (f" from step {result.start_step}" if result.start_step else ""), title_justify="left")
     for col in ("check", "predicted", "measured", "result"):  # (a param's name folds: cut short, it named none)
         t.add_column(col, overflow="fold" if col == "measured" else "ellipsis")
     for row in [*_collective_rows(result), *_parity_rows(result), *_checkpoint_rows(result),
-                *_step_time_rows(result, cluster)]:
+                *_step_time_rows(result, cluster, comparable)]:
         t.add_row(*row)
     return t
 
@@ -490,10 +491,15 @@ def _checkpoint_rows(result: VerifyResult) -> list[tuple[str, ...]]:
     return rows
 
 
-def _step_time_rows(result: VerifyResult, cluster: str | None) -> list[tuple[str, ...]]:
-    """The timed steps' median beside the prediction on ``cluster``, or why there is none."""
+def _step_time_rows(result: VerifyResult, cluster: str | None, comparable: bool = True) -> list[tuple[str, ...]]:
+    """The timed steps' median beside the prediction on ``cluster``, or why there is none; no error between a GPU
+    cluster's prediction and CPU ranks (a new user read "-84.7%" as the model's)."""
     if result.measured_step is None:
         return []
+    if not comparable and result.predicted_step is not None:
+        return [(f"step time (forward + backward, median of {len(result.step_seconds)})",
+                 f"{fmt_time(result.predicted_step)} on {escape(cluster or '')}", fmt_time(result.measured_step),
+                 "not comparable (CPU ranks)")]
     error = result.step_error
     predicted = (f"{fmt_time(result.predicted_step)} on {escape(cluster or '')}" if result.predicted_step is not None
                  else "(give --cluster to predict)" if cluster is None else "(not predicted: see the note)")
@@ -626,7 +632,8 @@ def _delta_bytes(alt: int | None, base: int) -> str:
 
 def _signed_share(x: float, digits: int) -> str:
     """``x`` as a signed percentage; a change too small for ``digits`` decimals in two significant digits (a tie's
-    alternative read "-0.00%")."""
+    alternative read "-0.00%"); float noise (below 1e-9) is no change."""
+    x = 0.0 if abs(x) < 1e-9 else x  # (a tie's step read "-1.7e-14%")
     shown = f"{x:+.{digits}%}"
     return shown if x == 0 or float(shown[:-1]) != 0 else f"{x * 100:+.2g}%"
 

@@ -209,7 +209,9 @@ def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | 
                          "compiled": list(plan.compiled), "compiled_loss": request.model.compile_loss}, indent=2))
         return
     given = request.cluster.name if request.cluster else None  # only whether one was given is read when not used
-    render.console.print(render.verify_table(result, predict_on.name if predict_on else given))
+    # (a GPU cluster's prediction beside CPU ranks: _prediction_cluster's note says how to compare)
+    comparable = not (predict_on is not None and predict_on.engine is Engine.STREAMS and result.backend == "gloo")
+    render.console.print(render.verify_table(result, predict_on.name if predict_on else given, comparable))
     if result.units is not None:
         differ = sorted(set(result.units) ^ set(result.expected_units or []))
         verdict = "exactly the plan's groups" if result.units_match else f"NOT the plan's groups: {differ}"

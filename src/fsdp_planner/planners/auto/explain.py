@@ -33,7 +33,8 @@ _DESCRIPTIONS = {
     Reason.FIXED: "no boundary to move: the last group, a pinned module (tied, reused or read outside its module), "
                   "or modules the root holds between this group and the next",
     Reason.MEMORY: "a faster alternative exists but exceeds the memory budget",
-    Reason.TIE: "the best alternative simulates equally fast and needs no less memory: nothing gained by moving",
+    Reason.TIE: "the best alternative simulates equally fast: no time gained by moving (the search weighs time within "
+                "the budget; the memory the move would save, if any, is in its row)",
     Reason.UNCONVERGED: "a one-step move is faster and fits: the search's effort ran out before it tried it "
                          "(raise --search-effort)",
     Reason.MARGIN: f"a one-step move is faster and fits, by less than the search's margins (refining a plan behind "
