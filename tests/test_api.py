@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import sys
 from pathlib import Path
 
@@ -271,3 +272,41 @@ def test_tp_on_a_users_module_is_the_specs_plan():
     assert _without_workload(theirs.to_dict())["groups"] == mine.to_dict()["groups"]
     after = module.model.state_dict()
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+class _PairsBlock(torch.nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Locked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(_PairsBlock(), _PairsBlock())
+        self.lock = threading.Lock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+class _OnCpu(_Locked):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x) + torch.zeros(x.shape[-1], device="cpu")
+
+
+def test_tp_on_a_module_its_meta_twin_cannot_check_is_one_sentence():
+    """A module deepcopy cannot copy, or whose step runs only on real tensors, plans without TP (under fake
+    tensors); with tp= it was a TypeError, or "its code fixes a shape the layout splits" (the review): said what
+    it is."""
+    x = torch.randn(2, 16, 32)
+    with pytest.raises(PlannerError, match=r"meta copy of the _Locked model, which cannot be copied \(TypeError"):
+        fp.plan(_Locked(), (x,), cluster="h100:8", tp=2)
+    model = _OnCpu()
+    model.lock = None  # (copyable: its step alone runs only on real tensors)
+    assert fp.plan(model, (x,), cluster="h100:8").groups
+    with pytest.raises(PlannerError, match="its step runs only on real tensors"):
+        fp.plan(model, (x,), cluster="h100:8", tp=2)

@@ -43,6 +43,8 @@ def options(spec: str, *extra: str, flags: tuple[str, ...] = ()) -> tuple[dict[s
     merged, cfg = configured(args)
     assert cfg is not None
     shown = {k: getattr(merged, k) for k in vars(args) if k not in ("from_torchtitan", "torchtitan_flags")}
+    # (a registry job's CUDA graphs keep the sharded grads all step; the TOMLs' jobs had none)
+    assert shown.pop("zero_grad") == ("zeros" if cfg.cuda_graphs else "none")
     return shown, cfg
 
 
@@ -390,8 +392,10 @@ def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, resha
     assert Plan.from_json(cfg.plan).groups == plan.groups
     on_8b = read_config(TORCHTITAN, job("llama3_8b"), flags)
     keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype", "compile", "batch",
-            "seq", "optimizer")
+            "seq", "optimizer", "cuda_graphs")
     assert {k: getattr(on_8b, k) for k in keys} == {k: getattr(cfg, k) for k in keys}
+    # the planned step is eager: torchtitan's CUDA graphs would keep the sharded grads all step (set_to_none=False)
+    assert not cfg.cuda_graphs and read_config(TORCHTITAN, job("llama3_8b")).cuda_graphs
 
 
 BASE_NOTE = ("fsdp_planner_job builds on llama3_8b(), not read (it is not in the file): the job is what "
@@ -638,10 +642,12 @@ def test_the_8b_registry_job_plans_as_its_toml(capsys):
     form spells the checkpointing (a class, a mode). Auto without its refinement (``--search-effort 0``): the
     comparison is of the two jobs read, not of the search."""
     out = []
-    for spec, chunks in ((job("llama3_8b"), []), (str(FIXTURES / "llama3_8b.toml"), ["--loss-chunks", "8"])):
-        # (the registry's job computes its loss in 8 chunks, which its TOML of 2025 cannot say: given to it)
+    for spec, more in ((job("llama3_8b"), ["--", "--training.disable_cuda_graphs"]),
+                       (str(FIXTURES / "llama3_8b.toml"), ["--loss-chunks", "8"])):
+        # (the registry's job computes its loss in 8 chunks, which its TOML of 2025 cannot say: given to it; and
+        # replays its step as a CUDA graph, which the TOML's job did not: turned off)
         assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100", "--json", "--search-effort", "0",
-                     *chunks]) == 0
+                     *more]) == 0
         document = json.loads(capsys.readouterr().out)
         assert document["config"].pop("path") == spec
         document["config"]["notes"] = unchunked(document["config"]["notes"])
@@ -1414,23 +1420,46 @@ def test_chunks_given_to_a_job_with_a_whole_loss_contradict_it(capsys):
 def test_an_ep_job_torchtitan_would_not_capture_in_a_cuda_graph_is_refused():
     """torchtitan's Trainer.Config refuses CUDA graphs (on unless training.disable_cuda_graphs) around an EP
     dispatch that syncs with the host (its standard all-to-all); the reader simulated such a job as if it ran (a
-    torchtitan trial). HybridEP with a capacity factor is captured, and the flag its EP jobs set turns them off."""
+    torchtitan trial). torchtitan's own HybridEP and MinimalAsyncEP jobs run graphed, and the flag its EP jobs set
+    turns them off; a value the reader cannot read is asked for, not taken as the default."""
     jobs = Path(__file__).parent / "fixtures" / "user_jobs" / "moe_jobs.py"
     with pytest.raises(PlannerError, match=r"torchtitan refuses this job: its CUDA graphs .* expert_parallel_degree "
-                                           r"= 8 runs \"standard\": set training.disable_cuda_graphs = True"):
+                                           r"= 8 runs \"standard\": set disable_cuda_graphs=True in the job's"):
         read_config(TORCHTITAN, f"{jobs}:graphed_ep8")
     assert not read_config(TORCHTITAN, f"{jobs}:graphed_ep8", ["--training.disable_cuda_graphs"]).cuda_graphs
-    assert read_config(TORCHTITAN, f"{jobs}:hybridep_ep8").cuda_graphs
     assert read_config(TORCHTITAN, f"{jobs}:graphed_ep8", ["--parallelism.expert_parallel_degree", "1"]).ep == 1
+    deepseek = FIXTURES / "deepseek_v3" / "config_registry.py"
+    for function in ("deepseek_v3_16b_hybridep", "deepseek_v3_16b_minimal_async_ep"):
+        assert read_config(TORCHTITAN, f"{deepseek}:{function}").cuda_graphs
+    assert not read_config(TORCHTITAN, f"{deepseek}:deepseek_v3_16b").cuda_graphs  # (EP 8, graphs off)
+    with pytest.raises(PlannerError, match="torchtitan refuses this job"):
+        read_config(TORCHTITAN, f"{deepseek}:deepseek_v3_16b", ["--training.no-disable-cuda-graphs"])
+    with pytest.raises(PlannerError, match=r"training.disable_cuda_graphs = bool\(...\) is not a literal"):
+        read_config(TORCHTITAN, f"{jobs}:unread_graphs")
 
 
 @pytest.mark.integration  # (the debug job planned twice: a few seconds)
 def test_a_graphed_job_bound_by_the_host_says_the_replay_is_faster(capsys):
     """The debug model's eager step waits on the host for nearly half its time; torchtitan replays it as a CUDA
     graph, which does not: said, with the share, and not said once the flag turns the graphs off."""
-    assert main(["plan", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8"]) == 0
-    said = re.search(r"the step here is eager, ([\d.]+) ms of it \((\d+)%\) waiting", capsys.readouterr().err)
+    assert main(["plan", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8", "--json"]) == 0
+    captured = capsys.readouterr()
+    said = re.search(r"the step here is eager, ([\d.]+) ms of it \((\d+)%\) waiting", captured.err)
     assert said is not None and int(said[2]) >= 10
-    assert main(["plan", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8", "--",
+    # torchtitan clears the grads with set_to_none=False under its graphs: kept all step
+    assert "simulated as --zero-grad zeros" in captured.err
+    graphed = json.loads(captured.out)["config_step"]
+    assert main(["plan", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8", "--json", "--",
                  "--training.disable_cuda_graphs"]) == 0
-    assert "CUDA graph" not in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "CUDA graph" not in captured.err
+    eager = json.loads(captured.out)["config_step"]
+    assert graphed["memory_at_peak"]["grads"] > eager["memory_at_peak"]["grads"]
+
+
+def test_simulate_says_the_graphed_job_s_host_wait_too(capsys):
+    """``simulate --from-torchtitan`` said nothing of the replay where ``plan`` did (the review)."""
+    from fsdp_planner.cli import main
+
+    assert main(["simulate", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8"]) == 0
+    assert "torchtitan replays the forward and backward as a CUDA graph" in capsys.readouterr().err

@@ -27,13 +27,22 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import LoadedModel, ModelSpec
 from fsdp_planner.patching import quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY
-from fsdp_planner.service.job import DEFAULT_CLUSTER
+from fsdp_planner.service.job import DEFAULT_CLUSTER, PlanJob
+from fsdp_planner.service.outcome import PlanOutcome
 from fsdp_planner.service.plan_files import checked_on_trace
 from fsdp_planner.service.planning import plan as plan_job
-from fsdp_planner.service.tracing import built_by, step_failure, trace_spec, with_loss_chunks
+from fsdp_planner.service.tracing import (
+    LayoutDoesNotRun,
+    built_by,
+    model_error,
+    step_failure,
+    trace_spec,
+    with_loss_chunks,
+)
 from fsdp_planner.service.validate import Keywords, Spelling
 from fsdp_planner.service.validate import cluster as checked_cluster
 from fsdp_planner.service.validate import plan_job as checked_job
+from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import PlanMetrics
 from fsdp_planner.sim.metrics import plan_metrics as metrics_of
 from fsdp_planner.sim.options import Precision, SimOptions
@@ -96,23 +105,24 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         outcome = plan_job(job, lambda spec, options: trace_spec(spec, options.precision))
     else:
         with built_by(lambda spec: _meta_twin(model, inputs, cross_entropy if spec.loss_chunks else loss_fn)):
-            outcome = plan_job(job, lambda spec, options: _with_its_chunks(model, inputs, loss_fn, spec, options))
+            outcome = _planned_module(job, model, inputs, loss_fn)
     assert outcome.plan is not None  # one policy: its plan, or its error
     return outcome.plan
 
 
-def simulate(trace: Trace, plan: Plan, cluster: Cluster | str, options: SimOptions | None = None, *,
-             timeline: bool = True) -> StepReport:
+def simulate(trace: Trace, plan: Plan, cluster: Cluster | str | None = None, options: SimOptions | None = None, *,
+             context: SimContext | None = None, timeline: bool = True) -> StepReport:
     """One step of ``plan`` on ``cluster`` (a ``Cluster``, a preset such as ``"h100:64"`` or a cluster JSON path):
     ``fsdp-planner simulate``'s figures. The plan is checked against ``trace`` as the command line checks a plan
     file: a hand-written plan (module lists, as ``Plan.load`` reads one) gets its params derived; one made for
     another model, or naming modules, checkpointing or params the model lacks, is a one-sentence ``PlannerError``
     (unchecked, such a plan simulated a step that gathers nothing). ``timeline=False`` skips the timeline, which
-    only pictures need."""
+    only pictures need; a ``context`` (``SimContext(trace, cluster, options)``, built once) in place of ``cluster``
+    and ``options`` simulates many plans of one trace faster."""
     named = checked_cluster(cluster, Spelling.API)
-    if named is None:
+    if named is None and context is None:
         raise PlannerError("simulate needs a cluster: a Cluster, a preset such as 'h100:8' or a cluster JSON path")
-    return simulate_step(trace, checked_on_trace(plan, trace), named, options, timeline=timeline)
+    return simulate_step(trace, checked_on_trace(plan, trace), named, options, context=context, timeline=timeline)
 
 
 def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None,
@@ -158,19 +168,20 @@ def _check_module(model: nn.Module, inputs: Any, batch: object, seq: object, hf_
 
 
 def _with_its_chunks(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                     spec: ModelSpec, options: SimOptions) -> Trace:
+                     spec: ModelSpec, options: SimOptions, real: list[str] | None = None) -> Trace:
     """A module's step (``_traced_module``), with its loss in ``loss_chunks`` chunks as a MODEL spec's is traced:
     the wrapper's inner cross-entropy in place of ``loss_fn`` (its notes unsaid: the API returns the plan)."""
     if not spec.loss_chunks:
-        return _traced_module(model, inputs, loss_fn, spec, options)
-    tr = _traced_module(model, inputs, cross_entropy, spec, options)
+        return _traced_module(model, inputs, loss_fn, spec, options, real)
+    tr = _traced_module(model, inputs, cross_entropy, spec, options, real)
     return with_loss_chunks(tr, spec, options.precision, lambda line: None)
 
 
 def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                   spec: ModelSpec, options: SimOptions) -> Trace:
+                   spec: ModelSpec, options: SimOptions, real: list[str] | None = None) -> Trace:
     """The module's step traced as the command line traces a factory's (under the job's attention kernel and
-    routing capacity): on its meta twin, or, when the step cannot run on meta, the real model under fake tensors."""
+    routing capacity): on its meta twin, or, when the step cannot run on meta, the real model under fake tensors
+    (said in ``real``)."""
     routing = spec.routing or DEFAULT_CAPACITY
     label = f"the {type(model).__name__} model"
     with kernel(spec.attention):
@@ -189,6 +200,8 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
                 raise step_failure(e, label) from e
         # a step that cannot run on meta (a tensor made on an explicit device in forward): the real model under
         # fake tensors, its grads kept (an error of the step is said once, not logged by each fake op it fails in)
+        if real is not None:
+            real.append(spec.name)
         with _grads_kept(model), quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
             try:
                 return trace(model, inputs, loss_fn, precision=options.precision, routing=routing,
@@ -213,12 +226,33 @@ def _on_meta(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
     return deepcopy(model, memo), moved
 
 
+def _planned_module(job: PlanJob, model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None
+                    ) -> PlanOutcome:
+    """The job's outcome for an ``nn.Module``; a TP layout refused because the module's step runs only on real
+    tensors (its meta twin fails whole, not for the layout) said so."""
+    real: list[str] = []  # the traces that ran on the real model under fake tensors
+
+    try:
+        return plan_job(job, lambda spec, options: _with_its_chunks(model, inputs, loss_fn, spec, options, real))
+    except LayoutDoesNotRun as e:
+        if not real:
+            raise
+        raise PlannerError(f"tp: one TP rank's step is checked on the {type(model).__name__} model's meta twin, and "
+                           "its step runs only on real tensors (a tensor made on an explicit device in its forward: "
+                           "make it on its input's device, e.g. device=x.device)") from e
+
+
 def _meta_twin(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> LoadedModel:
     """A fresh meta twin of ``model`` with its inputs and loss on meta, as the service builds a MODEL spec's
     (``service/tracing.built_by``): one TP rank's step is checked on it, its Linears split (never the user's)."""
-    copy, meta_inputs = _on_meta(model, inputs)
-    return LoadedModel(type(model).__name__, deepcopy(copy) if copy is model else copy, meta_inputs,
-                       _on_meta_loss(loss_fn))
+    try:
+        copy, meta_inputs = _on_meta(model, inputs)
+        twin = deepcopy(copy) if copy is model else copy
+    except Exception as e:  # a module deepcopy cannot copy (a lock, a handle)
+        raise PlannerError(f"tp: one TP rank's step is checked on a meta copy of the {type(model).__name__} model, "
+                           f"which cannot be copied ({model_error(e)}): plan it without tp, or give its factory "
+                           "as a MODEL spec string") from e
+    return LoadedModel(type(model).__name__, twin, meta_inputs, _on_meta_loss(loss_fn))
 
 
 class _RealToMeta(TorchDispatchMode):

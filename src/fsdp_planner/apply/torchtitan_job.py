@@ -104,9 +104,10 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
                      "mixed_precision_param": "bfloat16" if precision.compute_bytes == 2 else "float32",
                      "mixed_precision_reduce": "float32",  # torchtitan's only (a bf16 reduce is said apart)
                      "enable_cpu_offload": plan.offload,
-                     # torchtitan's CUDA graphs refuse EP's all-to-all dispatcher (its CPU sync: Trainer.Config's
-                     # _validate_cuda_graphs); the planned step is eager
-                     **({"disable_cuda_graphs": True} if plan.ep_degree > 1 else {})},
+                     # the planned step is eager: torchtitan's CUDA graphs keep the sharded grads all step
+                     # (zero_grad(set_to_none=False)), which the plan's memory did not count, and refuse EP's
+                     # all-to-all dispatcher (its CPU sync: Trainer.Config's _validate_cuda_graphs)
+                     "disable_cuda_graphs": True},
         "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],
                         "fsdp_reshard_after_forward": rule, "tensor_parallel_degree": plan.tp_degree,
                         "pipeline_parallel_degree": 1, "context_parallel_degree": 1,  # (a base job's replaced)

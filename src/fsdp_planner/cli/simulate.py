@@ -25,6 +25,7 @@ from fsdp_planner.cli.requests import (
     policy_request,
     sim_options,
 )
+from fsdp_planner.configs.job_config import JobConfig
 from fsdp_planner.configs.torchtitan_registry import PLAN_NAME
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
@@ -35,7 +36,7 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.report.step_view import StepView, step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
-from fsdp_planner.service.configured import classes_named_by
+from fsdp_planner.service.configured import classes_named_by, graphed_host_note
 from fsdp_planner.service.fit import config_verdict
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.planning import with_reshard
@@ -90,12 +91,19 @@ def _run(args: argparse.Namespace) -> int:
         views = [step_view(tr, p, cluster, options, label, budget) for label, p in plans]
         _draw(views, png, page, f"{short_label(model_spec(args).label())} on {cluster.name}")
         reports = [(v.label, v.report) for v in views]
+    _graphed_note(config, reports[0][1])
     verdict = _verdict(args, config is not None, tr, plans[0][1], reports[0][1], cluster, options, budget)
     _show(args, reports, plans, verdict, cluster, options, budget, tp_note, tr.compiled_loss is not None,
           tr.loss_chunks)
     for path in filter(None, (png, page)) if not args.json else ():  # (the JSON document stays alone on stdout)
         render.plain(f"timeline written to {path}")
     return 0
+
+
+def _graphed_note(config: JobConfig | None, report: StepReport) -> None:
+    """A torchtitan job's CUDA graphs spend no host time on the launches its eager step here waits on."""
+    if config is not None and (said := graphed_host_note(config, report)) is not None:
+        render.note(said)
 
 
 def _tp_note(args: argparse.Namespace) -> str | None:

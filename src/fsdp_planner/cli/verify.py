@@ -202,15 +202,16 @@ def _sharded(plan: Plan) -> int:
 
 def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | None, plan: Plan) -> None:
     """The job's checks on stdout: a JSON document, or the table, FSDP1's units, the job's notes and the verdict."""
+    # (a GPU cluster's prediction beside CPU ranks: _prediction_cluster's note says how to compare)
+    comparable = not (predict_on is not None and predict_on.engine is Engine.STREAMS and result.backend == "gloo")
     if request.json:
         plan_for = request.plan_cluster.name if request.plan_for and request.plan_cluster else None
-        print(json_text({**result.to_dict(), "cluster": predict_on.name if predict_on else None,
+        shown = result.to_dict() if comparable else {**result.to_dict(), "step_error": None}
+        print(json_text({**shown, "cluster": predict_on.name if predict_on else None,
                          "plan_for": plan_for, "plan_model": request.plan_model.name if request.plan_model else None,
                          "compiled": list(plan.compiled), "compiled_loss": request.model.compile_loss}, indent=2))
         return
     given = request.cluster.name if request.cluster else None  # only whether one was given is read when not used
-    # (a GPU cluster's prediction beside CPU ranks: _prediction_cluster's note says how to compare)
-    comparable = not (predict_on is not None and predict_on.engine is Engine.STREAMS and result.backend == "gloo")
     render.console.print(render.verify_table(result, predict_on.name if predict_on else given, comparable))
     if result.units is not None:
         differ = sorted(set(result.units) ^ set(result.expected_units or []))

@@ -78,7 +78,8 @@ SECTION_CLASSES = {"training": "TrainingConfig", "parallelism": "ParallelismConf
 TOKENS = ("num_tokens_per_microbatch_per_dp_rank", "max_context_length", "num_tokens_per_train_step")
 TOKEN_DEFAULTS = {"num_tokens_per_microbatch_per_dp_rank": 16384, "max_context_length": 2048,
                   "num_tokens_per_train_step": -1}  # TrainingConfig's defaults
-READ = {"training": {*TOKENS, "enable_cpu_offload", "mixed_precision_param", "mixed_precision_reduce"},
+READ = {"training": {*TOKENS, "enable_cpu_offload", "mixed_precision_param", "mixed_precision_reduce",
+                     "disable_cuda_graphs"},
         "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                         "tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
                         "expert_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel"},
@@ -844,7 +845,7 @@ def _check_cuda_graphs(config: dict[str, Any], models: dict[str, str], label: st
     if not (isinstance(ep, int) and ep > 1 and off is False and isinstance(flavor, str)
             and _moe_flavour(models.get(spec.kind, ""), flavor)):
         return
-    backend = given("model_spec", "moe_comm_backend", "standard")
+    backend = given("model_spec", "moe_comm_backend", None) or "standard"  # (None: the registry's default)
     if backend in CAPTURED_DISPATCHERS and not (CAPTURED_DISPATCHERS[backend]
                                                 and given("model_spec", "non_blocking_capacity_factor", None) is None):
         return
@@ -853,8 +854,9 @@ def _check_cuda_graphs(config: dict[str, Any], models: dict[str, str], label: st
     raise PlannerError(f"{label}: torchtitan refuses this job: its CUDA graphs (on: training.disable_cuda_graphs is "
                        f"False, the default) capture EP's dispatch only with moe_comm_backend \"minimal_async_ep\", or "
                        f"\"hybridep\" with a non_blocking_capacity_factor, and expert_parallel_degree = {ep} runs "
-                       f"{shown_json(backend)}: set training.disable_cuda_graphs = True (-- "
-                       "--training.disable_cuda_graphs), as its EP jobs do")
+                       f"{shown_json(backend)}: set disable_cuda_graphs=True in the job's TrainingConfig, as its EP "
+                       "jobs do (the flag -- --training.disable_cuda_graphs is not enough where the "
+                       "Trainer.Config(...) call itself sets EP: torchtitan checks the config as it is built)")
 
 
 def _moe_flavour(model: str, flavor: str) -> bool:

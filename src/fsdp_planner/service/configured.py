@@ -20,6 +20,7 @@ from fsdp_planner.choices import (
     PolicyName,
     SacPolicy,
     ShardPlacement,
+    ZeroGrad,
 )
 from fsdp_planner.configs.job_config import (
     ACCELERATE,
@@ -124,6 +125,12 @@ def configured(kw: Keywords, cfg: JobConfig, command: str, note: Callable[[str],
     if cfg.registry and cfg.plan is None and cfg.ac is ACMode.OP and kw.ac_policy not in (None, SacPolicy.TITAN.value):
         note(f"--ac-policy {kw.ac_policy} simulates the job's SelectiveAC (and op-level edits of it) with another save "
              "list than torchtitan runs (its list at b5bcd76: --ac-policy titan, the default)")
+    if cfg.cuda_graphs:  # torchtitan clears grads with set_to_none=disable_cuda_graphs (trainer.py at b5bcd76)
+        merge.given("zero_grad", ZeroGrad.ZEROS.value, "training.disable_cuda_graphs = False",
+                    default=ZeroGrad.NONE.value)
+        note("torchtitan's CUDA graphs (training.disable_cuda_graphs = False) clear the grads with "
+             "zero_grad(set_to_none=False): the sharded grads are kept all step, simulated as --zero-grad zeros (the "
+             "graph's own memory pool is not modelled)")
     if cfg.early_stop is not None and cfg.plan is None:  # torchtitan's checkpoint wrapper: an edit or auto
         # checkpoints as it does (an export's parallelize_fn checkpoints as its plan says)
         merge.given("early_stop", cfg.early_stop, cfg.key("early_stop"), default=None)
@@ -492,9 +499,12 @@ class ConfigOutcome:
     exported: tuple[Setting, StepReport | None] | None = None
 
 
-def graphed_host_note(step: StepReport) -> str:
+def graphed_host_note(cfg: JobConfig, step: StepReport) -> str | None:
     """torchtitan's CUDA-graph replay launches forward and backward without the host: the eager step simulated here
-    waits on it where the host is the bound (a model of small layers), which the replay does not."""
+    waits on it where the host is the bound (a model of small layers), which the replay does not (None: the job
+    runs no graphs, or its step hardly waits on the host)."""
+    if not cfg.cuda_graphs or step.host_wait < 0.01 * step.step_time:
+        return None
     return (f"torchtitan replays the forward and backward as a CUDA graph (training.disable_cuda_graphs = False, its "
             f"default), which spends no host time on its launches and FSDP2's hooks; the step here is eager, "
             f"{fmt_time(step.host_wait)} of it ({step.host_wait / step.step_time:.0%}) waiting on them: the replayed "
@@ -544,7 +554,7 @@ def with_held_float8(kw: Keywords, held: Plan) -> Keywords:
     if f8 is None or kw.float8 is not None:
         return kw
     skip = tuple(n for n in f8.filter_fqns if n not in OUTPUT_HEAD_FQNS)
-    return dataclasses.replace(kw, float8=f8.recipe.value, float8_all_gather=f8.fsdp_float8_all_gather,
+    return dataclasses.replace(kw, float8=f8.recipe.value, float8_all_gather=f8.fsdp_float8_all_gather or None,
                                float8_skip=skip or None, float8_tp_all_gather=f8.tp_float8_all_gather or None)
 
 
@@ -581,8 +591,8 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     assert job.cluster is not None and job.budget is not None and auto.search is not None
     world, before = job.cluster.world_size, traced.report
     assert before is not None
-    if cfg.cuda_graphs and before.host_wait >= 0.01 * before.step_time:
-        reporter.note(graphed_host_note(before))
+    if (said := graphed_host_note(cfg, before)) is not None:
+        reporter.note(said)
     dp = world // cfg.tp
     old = _config_setting(cfg, kw, dp)
     if cfg.plan is not None and traced.plan is not None:  # an export's job: what its keys say is its plan's

@@ -230,7 +230,7 @@ def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = Fa
             trace(lm.model, lm.example_inputs, lm.loss_fn, routing=spec.routing or DEFAULT_CAPACITY)
     except Exception as e:
         reason = (f"one TP rank's step fails ({model_error(e)}); its code fixes a shape the layout splits (e.g. a "
-                  "view into a fixed head count)")
+                  "view into a fixed head count, or a reshape back to the whole width instead of -1)")
         raise LayoutDoesNotRun(f"{layout} does not run on this model: {reason}: {fix}", reason) from e
     finally:
         for h in handles:
