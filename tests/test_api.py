@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import sys
+import threading
 from pathlib import Path
 
 import pytest
