@@ -893,3 +893,37 @@ def test_torchtitan_compile_components_are_its_names(tmp_path, components):
                                            r"\(\"model\" and \"loss\"\)"):
         read_config(TORCHTITAN, str(titan(tmp_path, f'[compile]\nenable = true\ncomponents = {components}\n'
                                                     '[activation_checkpoint]\nmode = "none"\n')))
+
+
+@pytest.mark.parametrize(("mp", "reduce"), [("bf16", "bf16"), ("fp16", "bf16"), ("no", None)])
+def test_accelerate_reduces_in_the_param_dtype(tmp_path, mp, reduce):
+    """Accelerate's FSDP plugin builds MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) from
+    mixed_precision: bf16 (a new user's trial: simulated with fp32 reduce-scatters, twice the bytes)."""
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, f"mixed_precision: '{mp}'\nfsdp_config:\n  fsdp_version: 2\n")))
+    assert cfg.reduce_dtype == reduce
+    with pytest.raises(PlannerError, match="mixed_precision is false: YAML reads a bare no so; write 'no' in quotes"):
+        read_config(ACCELERATE, str(accel(tmp_path, "mixed_precision: no\n")))
+
+
+def test_accelerate_fsdp2_does_not_read_fsdp1_s_sharding_strategy(tmp_path):
+    """FSDP2 (fsdp_version 2) reads fsdp_reshard_after_forward alone: FSDP1's SHARD_GRAD_OP or HYBRID_SHARD beside
+    it changed the simulated job (no reshard; HSDP across machines) where Accelerate runs FSDP2's default."""
+    for strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD"):
+        cfg = read_config(ACCELERATE, str(accel(tmp_path, "num_machines: 2\nnum_processes: 16\nfsdp_config:\n  "
+                                                          f"fsdp_version: 2\n  fsdp_sharding_strategy: {strategy}\n")))
+        assert (cfg.reshard, cfg.replicate) == ("default", 1)
+        assert any("is FSDP1's, which Accelerate's FSDP2" in n for n in cfg.notes)
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n  fsdp_sharding_strategy: "
+                                                      "SHARD_GRAD_OP\n  fsdp_reshard_after_forward: false\n")))
+    assert cfg.reshard == "never"
+
+
+@pytest.mark.parametrize(("text", "meant"), [("mixed_precison: bf16\n", "mixed_precision"),
+                                             ("num_proceses: 16\n", "num_processes"),
+                                             ("fsdp_confg:\n  fsdp_version: 2\n", "fsdp_config")])
+def test_accelerate_misspelled_top_level_key_is_an_error(tmp_path, text, meant):
+    """A top-level key a letter off was a note, and the job simulated at the setting's default (fp32 for bf16, 8
+    GPUs for 16, FSDP1 with no wrap for the whole fsdp_config: a new user's trial); only fsdp_config's keys were
+    checked so."""
+    with pytest.raises(PlannerError, match=rf"is not a key of the config \(did you mean {meant}\?\)"):
+        read_config(ACCELERATE, str(accel(tmp_path, text)))

@@ -636,9 +636,13 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
     if kind != "FSDP":
         raise _bad(cfg, "distributed_type", kind, "FSDP (fsdp-planner plans FSDP jobs)")
     for name in data:
-        if name not in ACCELERATE_IGNORED and name not in ("fsdp_config", "mixed_precision", "num_processes",
-                                                           "num_machines", "dynamo_config", "dynamo_backend",
-                                                           "parallelism_config"):
+        if name not in ACCELERATE_IGNORED and name not in ACCELERATE_TOP_KEYS:
+            close = difflib.get_close_matches(name, sorted(ACCELERATE_TOP_KEYS | ACCELERATE_IGNORED), n=1,
+                                              cutoff=0.8) if isinstance(name, str) and len(name) <= 100 else []
+            if close and name != "fp8_config":  # a misspelled setting would stay at its default: another job
+                raise PlannerError(f"accelerate config '{cfg.path}': {shown_json(name)[1:-1]} is not a key of the "
+                                   f"config (did you mean {close[0]}?): as written, the setting would stay at its "
+                                   "default")
             cfg.notes.append(f"{shown_json(name)[1:-1]} is not read: " + (
                 "the job is simulated without float8 (--float8 plans torchao's)" if name == "fp8_config" else
                 "fsdp-planner does not know it"))
@@ -671,6 +675,8 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
                              "backend), not of the whole model: these figures are eager FSDP2's")
 
 
+ACCELERATE_TOP_KEYS = frozenset({"fsdp_config", "mixed_precision", "num_processes", "num_machines", "dynamo_config",
+                                 "dynamo_backend", "parallelism_config"})  # read, beside ACCELERATE_IGNORED
 ACCELERATE_FSDP_KEYS = {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
                         "fsdp_min_num_params", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
                         "fsdp_activation_checkpointing", "fsdp_offload_params"}
@@ -783,7 +789,13 @@ def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
             if key in fsdp:
                 cfg.notes.append(f"fsdp_config.{key} = {shown_json(fsdp[key])} is FSDP1's: the step is simulated "
                                  "with FSDP2's default prefetching (backward one group ahead)")
-    key = "fsdp_reshard_after_forward" if "fsdp_reshard_after_forward" in fsdp else "fsdp_sharding_strategy"
+    if version == 2 and "fsdp_sharding_strategy" in fsdp:  # (FullyShardedDataParallelPlugin reads it for FSDP1 only)
+        cfg.notes.append(f"fsdp_config.fsdp_sharding_strategy = {shown_json(fsdp['fsdp_sharding_strategy'])} is "
+                         "FSDP1's, which Accelerate's FSDP2 (fsdp_version 2) does not read: its reshard after forward "
+                         "is fsdp_reshard_after_forward (default true), its HSDP parallelism_config's "
+                         "dp_replicate_size")
+    key = "fsdp_reshard_after_forward" if "fsdp_reshard_after_forward" in fsdp or version == 2 else \
+        "fsdp_sharding_strategy"
     value = fsdp.get(key)
     if value is None:
         return
@@ -813,14 +825,26 @@ def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
 
 def _accelerate_precision(cfg: JobConfig, data: dict[str, Any]) -> None:
     mp = data.get("mixed_precision", "no")
+    if mp is False:  # (YAML reads a bare no as false, which Accelerate's PrecisionType refuses too)
+        raise PlannerError(f"accelerate config '{cfg.path}': mixed_precision is false: YAML reads a bare no so; write "
+                           "'no' in quotes, as accelerate config writes it")
     mp = _str(cfg, "mixed_precision", mp if isinstance(mp, list | dict) else str(mp), ("no", "bf16", "fp16", "fp8"))
     cfg.keys["mixed_precision"] = mp
     cfg.precision = "fp32" if mp == "no" else "bf16-mixed"
+    # FullyShardedDataParallelPlugin.set_mixed_precision: MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype),
+    # FSDP1 and FSDP2 alike (accelerate 1.16)
+    cfg.reduce_dtype = "bf16" if mp != "no" else None
+    reduced = ("Accelerate's FSDP policy reduces the gradients in the param dtype, simulated so (--reduce-dtype "
+               "bf16); the autocast it also runs the forward under is not modelled (the params are gathered in 16 bits "
+               "already)")
+    if mp == "bf16":
+        cfg.notes.append(f"mixed_precision = bf16: {reduced}")
     if mp == "fp16":
         cfg.notes.append("mixed_precision = fp16 is simulated as bf16-mixed: the same bytes and FLOPs (no loss "
-                         "scaling modelled)")
+                         f"scaling modelled); {reduced}")
     if mp == "fp8":
-        cfg.notes.append("mixed_precision = fp8 is left out: simulated as bf16-mixed, the dtype of its all-gathers")
+        cfg.notes.append("mixed_precision = fp8 is left out: simulated as bf16-mixed, the dtype of its all-gathers; "
+                         f"{reduced}")
 
 
 def world_of(cfg: JobConfig, cluster_world: int | None) -> int | None:
