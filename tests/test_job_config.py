@@ -779,7 +779,25 @@ def test_accelerate_transformer_wrap_without_classes_wraps_only_transformers_mod
     assert (args.policy, args.min_nonwrapped_numel) == ("size", str(10**15))
     assert "without fsdp_config.fsdp_transformer_layer_cls_to_wrap wraps the model's _no_split_modules" in \
         capsys.readouterr().err
-    assert args_of("simulate", "hf:gpt2", "--from-accelerate", str(yaml)).policy == "module"
+    # (a transformers model: its _no_split_modules, with the embedding and the tail carved as Accelerate's FSDP2 does)
+    assert args_of("simulate", "hf:gpt2", "--from-accelerate", str(yaml)).policy == "titan"
+
+
+def test_accelerate_fsdp2_carves_the_embedding_and_the_tail_of_a_transformers_model(tmp_path, capsys):
+    """Accelerate 1.16's fsdp2_prepare_model shards the input embedding alone and [final norm, lm_head] as a group
+    kept unsharded after forward: simulated with them in the root (the module policy), the embedding and head
+    were gathered all step (a new user's trial, checked against Accelerate's own FSDP2 on CPU)."""
+    yaml = accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                           "  fsdp_transformer_layer_cls_to_wrap: Qwen3DecoderLayer\nnum_processes: 8\n")
+    assert main(["simulate", "hf:qwen3-8b", "--from-accelerate", str(yaml), "--cluster", "h100", "--json"]) == 0
+    assert "Accelerate's FSDP2 shards a transformers model's input embedding alone" in capsys.readouterr().err
+    assert main(["plan", "hf:qwen3-8b", "--policy", "titan", "--module-classes", "Qwen3DecoderLayer", "--cluster",
+                 "h100:8", "--json", "--out", str(tmp_path / "p.json")]) == 0
+    capsys.readouterr()
+    groups = [g["modules"] for g in json.loads((tmp_path / "p.json").read_text())["groups"]]
+    assert groups[0] == ["model.embed_tokens"] and groups[-2] == ["model.norm", "lm_head"]
+    v1 = accel(tmp_path, "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\nnum_processes: 8\n")
+    assert args_of("simulate", "hf:qwen3-8b", "--from-accelerate", str(v1)).policy == "module"  # (FSDP1's)
 
 
 def test_a_toml_job_without_its_batch_or_length_runs_torchtitan_s_defaults(tmp_path, capsys):
@@ -927,3 +945,13 @@ def test_accelerate_misspelled_top_level_key_is_an_error(tmp_path, text, meant):
     checked so."""
     with pytest.raises(PlannerError, match=rf"is not a key of the config \(did you mean {meant}\?\)"):
         read_config(ACCELERATE, str(accel(tmp_path, text)))
+
+
+def test_accelerate_fsdp2_size_based_wrap_says_its_rule(tmp_path):
+    """Accelerate's FSDP2 wraps by a module's whole size, containers included (a ModuleList of blocks makes
+    fully_shard raise); simulated with FSDP1's rule, without a word before (a new user's trial)."""
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: "
+                                                      "SIZE_BASED_WRAP\n  fsdp_min_num_params: 100000000\n")))
+    assert any("SIZE_BASED_WRAP shards every module whose params exceed" in n for n in cfg.notes)
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n")))  # (NO_WRAP)
+    assert not any("SIZE_BASED_WRAP" in n for n in cfg.notes)

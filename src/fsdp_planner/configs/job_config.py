@@ -777,6 +777,34 @@ def _accelerate_wrap(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
                              "the YAML; judge such a plan from its file (simulate MODEL --plan plan.json)")
 
 
+def _v1_strategy(cfg: JobConfig, value: Any) -> str:
+    """FSDP1's ShardingStrategy by name, or by number as Accelerate also takes it (1 FULL_SHARD ... 5
+    _HYBRID_SHARD_ZERO2)."""
+    number = value if isinstance(value, int) and not isinstance(value, bool) else \
+        int(value) if isinstance(value, str) and value.strip().isdigit() else None
+    if number is not None:
+        value = V1_STRATEGY_NUMBERS.get(number, value)
+    if not (isinstance(value, str) and value.strip().upper() in (*V1_STRATEGIES, "NO_SHARD")):
+        raise _bad(cfg, "fsdp_config.fsdp_sharding_strategy", value, "one of FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, "
+                   "_HYBRID_SHARD_ZERO2 (or their numbers 1, 2, 4, 5)")
+    return value
+
+
+def _fsdp2_notes(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
+    """What Accelerate's FSDP2 (fsdp_version 2, accelerate 1.16) runs otherwise than the keys' FSDP1 reading."""
+    if cfg.policy is PolicyName.SIZE and cfg.min_numel != NO_WRAP_NUMEL:
+        # fsdp2_prepare_auto_wrap_policy: the sum of a module's params > fsdp_min_num_params
+        cfg.notes.append("Accelerate's FSDP2 SIZE_BASED_WRAP shards every module whose params exceed "
+                         "fsdp_min_num_params, containers too, where FSDP1's rule (simulated here) recurses into "
+                         "them: a ModuleList of blocks over the minimum makes its fully_shard raise (\"does not "
+                         "support containers\"); TRANSFORMER_BASED_WRAP is the wrap its FSDP2 runs")
+    if "fsdp_sharding_strategy" in fsdp:  # (FullyShardedDataParallelPlugin reads it for FSDP1 only)
+        cfg.notes.append(f"fsdp_config.fsdp_sharding_strategy = {shown_json(fsdp['fsdp_sharding_strategy'])} is "
+                         "FSDP1's, which Accelerate's FSDP2 (fsdp_version 2) does not read: its reshard after forward "
+                         "is fsdp_reshard_after_forward (default true), its HSDP parallelism_config's "
+                         "dp_replicate_size")
+
+
 def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
     version = fsdp.get("fsdp_version", 1)
     cfg.keys["fsdp_config.fsdp_version"] = version
@@ -789,25 +817,15 @@ def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
             if key in fsdp:
                 cfg.notes.append(f"fsdp_config.{key} = {shown_json(fsdp[key])} is FSDP1's: the step is simulated "
                                  "with FSDP2's default prefetching (backward one group ahead)")
-    if version == 2 and "fsdp_sharding_strategy" in fsdp:  # (FullyShardedDataParallelPlugin reads it for FSDP1 only)
-        cfg.notes.append(f"fsdp_config.fsdp_sharding_strategy = {shown_json(fsdp['fsdp_sharding_strategy'])} is "
-                         "FSDP1's, which Accelerate's FSDP2 (fsdp_version 2) does not read: its reshard after forward "
-                         "is fsdp_reshard_after_forward (default true), its HSDP parallelism_config's "
-                         "dp_replicate_size")
+    if version == 2:
+        _fsdp2_notes(cfg, fsdp)
     key = "fsdp_reshard_after_forward" if "fsdp_reshard_after_forward" in fsdp or version == 2 else \
         "fsdp_sharding_strategy"
     value = fsdp.get(key)
     if value is None:
         return
     if key == "fsdp_sharding_strategy":
-        # Accelerate also takes FSDP1's ShardingStrategy by number (1 FULL_SHARD ... 5 _HYBRID_SHARD_ZERO2)
-        number = value if isinstance(value, int) and not isinstance(value, bool) else \
-            int(value) if isinstance(value, str) and value.strip().isdigit() else None
-        if number is not None:
-            value = V1_STRATEGY_NUMBERS.get(number, value)
-        if not (isinstance(value, str) and value.strip().upper() in (*V1_STRATEGIES, "NO_SHARD")):
-            raise _bad(cfg, f"fsdp_config.{key}", value, "one of FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, "
-                       "_HYBRID_SHARD_ZERO2 (or their numbers 1, 2, 4, 5)")
+        value = _v1_strategy(cfg, value)
     if isinstance(value, str) and value.strip().upper() in V1_STRATEGIES:
         cfg.reshard, hybrid = V1_STRATEGIES[value.strip().upper()]
         if hybrid and (cfg.nodes or 1) > 1:  # HYBRID_SHARD: shard within a machine, replicate across machines

@@ -437,6 +437,21 @@ def _loss_chunks(m: _Merge) -> None:
                            "ChunkedLossWrapper of one chunk): drop one of them")
 
 
+def _accelerate_fsdp2_carve(m: _Merge, model: str | None) -> None:
+    """fsdp2_prepare_model (accelerate 1.16): after the blocks TRANSFORMER_BASED_WRAP wraps, a transformers model's
+    input embedding alone and [final norm, output embedding] (tied: with the embedding) as one group kept unsharded
+    after forward, the root last: torchtitan's grouping (the module policy left them to the root)."""
+    cfg = m.cfg
+    if cfg.kind == ACCELERATE and cfg.policy is PolicyName.MODULE and len(cfg.module_classes) <= 1 and \
+            cfg.keys.get("fsdp_config.fsdp_version") == 2 and model is not None and model.startswith("hf:"):
+        cfg.policy = PolicyName.TITAN
+        m.note("Accelerate's FSDP2 shards a transformers model's input embedding alone and [final norm, output "
+               "embedding] as one group kept unsharded after forward, beside the blocks TRANSFORMER_BASED_WRAP "
+               "wraps (fsdp2_prepare_model, accelerate 1.16): simulated as titan's grouping, which is that for a "
+               "Llama-style model (titan also shards another module before the first block alone, such as GPT-2's "
+               "position embedding, which Accelerate leaves to the root)")
+
+
 def _policy(m: _Merge, command: str, plan_file: bool) -> None:
     cfg, policy = m.cfg, m.values["policy"]
     if plan_file:
@@ -450,6 +465,7 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         m.note(f"{cfg.key('policy')} TRANSFORMER_BASED_WRAP without {CLASSES_KEY} wraps the model's "
                "_no_split_modules, which only transformers' models have: read as one FSDP group, the root (give "
                "the block classes to wrap them)")
+    _accelerate_fsdp2_carve(m, model)
     if command == "simulate":
         if cfg.kind == TORCHTITAN and policy not in (None, cfg.policy.value):
             # torchtitan has no key for its grouping: name it, and where auto's plan for the job is
