@@ -955,3 +955,17 @@ def test_accelerate_fsdp2_size_based_wrap_says_its_rule(tmp_path):
     assert any("SIZE_BASED_WRAP shards every module whose params exceed" in n for n in cfg.notes)
     cfg = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n")))  # (NO_WRAP)
     assert not any("SIZE_BASED_WRAP" in n for n in cfg.notes)
+
+
+@pytest.mark.parametrize(("option", "says"), [
+    (["--ac", "op"], r'--ac "op" contradicts fsdp_config.fsdp_activation_checkpointing \(not given: false'),
+    (["--offload"], r"--offload true contradicts fsdp_config.fsdp_offload_params \(not given: false\)"),
+    (["--reduce-dtype", "fp32"], r'--reduce-dtype "fp32" contradicts mixed_precision in accelerate config'),
+])
+def test_an_option_against_a_key_the_accelerate_config_leaves_out_is_an_error(tmp_path, capsys, option, says):
+    """A config without checkpointing or offload runs neither: --ac op or --offload beside it simulated another job
+    (op-level checkpointing, which Accelerate cannot run) with exit 0, where the same option against the key
+    written out was an error (a new user's trial)."""
+    yaml = accel(tmp_path, "mixed_precision: bf16\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n")
+    assert main(["simulate", "toy-llama", "--from-accelerate", str(yaml), "--cluster", "h100", *option]) == 2
+    assert re.search(says, capsys.readouterr().err)

@@ -121,6 +121,10 @@ def configured(kw: Keywords, cfg: JobConfig, command: str, note: Callable[[str],
     _model(merge)
     _workload(merge)
     _layout(merge)
+    if not cfg.offload and command != "fit":  # (off, as the config says or leaves it: --offload would simulate
+        # another job; fit's --offload asks what fits with it)
+        merge.agrees("offload", False, cfg.key("offload") if cfg.key("offload") in cfg.keys else
+                     f"{cfg.key('offload')} (not given: false)")
     _policy(merge, command, plan_file)
     if cfg.registry and cfg.plan is None and cfg.ac is ACMode.OP and kw.ac_policy not in (None, SacPolicy.TITAN.value):
         note(f"--ac-policy {kw.ac_policy} simulates the job's SelectiveAC (and op-level edits of it) with another save "
@@ -216,7 +220,8 @@ def _workload(m: _Merge) -> None:
     if cfg.precision is not None:
         m.given("precision", cfg.precision, "the mixed precision", DEFAULT_PRECISION)
     if cfg.reduce_dtype is not None:
-        m.given("reduce_dtype", cfg.reduce_dtype, "training.mixed_precision_reduce")
+        m.given("reduce_dtype", cfg.reduce_dtype,
+                "training.mixed_precision_reduce" if cfg.kind == TORCHTITAN else "mixed_precision")
     elif cfg.keys.get("training.mixed_precision_reduce") == "float32":
         m.agrees("reduce_dtype", "fp32", "training.mixed_precision_reduce")
     if cfg.optimizer is not None:
@@ -481,6 +486,9 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         m.given("ac", cfg.ac.value, cfg.key("ac"))
     elif cfg.ac is ACMode.NONE:
         m.agrees("ac", ACMode.NONE.value, cfg.key("ac"))
+    elif cfg.kind == ACCELERATE and command != "fit":  # (not given: Accelerate checkpoints nothing, which an
+        # option would contradict; fit's --ac asks what fits with it)
+        m.agrees("ac", ACMode.NONE.value, f"{cfg.key('ac')} (not given: false, Accelerate's default)")
     _compiled(m)
     _loss_chunks(m)
     if cfg.float8:
