@@ -969,3 +969,18 @@ def test_an_option_against_a_key_the_accelerate_config_leaves_out_is_an_error(tm
     yaml = accel(tmp_path, "mixed_precision: bf16\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n")
     assert main(["simulate", "toy-llama", "--from-accelerate", str(yaml), "--cluster", "h100", *option]) == 2
     assert re.search(says, capsys.readouterr().err)
+
+
+@pytest.mark.integration  # (a plan of the built-in 8B beside its config: ~20 s)
+def test_an_fsdp1_accelerate_config_s_edit_names_its_sharding_strategy(tmp_path, capsys):
+    """Accelerate's FSDP1 plugin reads fsdp_sharding_strategy first: the advised edit named FSDP2's
+    fsdp_reshard_after_forward = false, which that job would not read (a new user's trial)."""
+    yaml = accel(tmp_path, "mixed_precision: bf16\nnum_processes: 8\nfsdp_config:\n  fsdp_auto_wrap_policy: "
+                           "TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: TransformerBlock\n  "
+                           "fsdp_sharding_strategy: FULL_SHARD\n  fsdp_activation_checkpointing: true\n")
+    assert main(["plan", "llama3-8b", "--from-accelerate", str(yaml), "--cluster", "h100", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    keys = [c["key"] for c in (doc["best_edit"] or {}).get("changes", [])] + [c["key"] for c in doc["changes"]]
+    assert "fsdp_config.fsdp_sharding_strategy" in keys and "fsdp_config.fsdp_reshard_after_forward" not in keys
+    assert {"key": "fsdp_config.fsdp_sharding_strategy", "config": "FULL_SHARD", "auto": "SHARD_GRAD_OP"} in \
+        [{k: c[k] for k in ("key", "config", "auto")} for c in doc["best_edit"]["changes"]]

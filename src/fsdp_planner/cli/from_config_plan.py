@@ -151,6 +151,10 @@ def _reshard_text(cfg: JobConfig, value: str | None, plan: Plan | None = None) -
         return "per group: " + ", ".join(f"{flags.count(v)} x {v}" for v in dict.fromkeys(flags))
     if cfg.kind == TORCHTITAN:
         return str(value)
+    if cfg.fsdp1:  # FSDP1's strategy (HSDP is its HYBRID_SHARD pair)
+        hybrid = cfg.replicate > 1
+        return {"always": "HYBRID_SHARD" if hybrid else "FULL_SHARD",
+                "never": "_HYBRID_SHARD_ZERO2" if hybrid else "SHARD_GRAD_OP"}.get(str(value), f"{value} (FULL_SHARD)")
     return {"always": "true", "never": "false"}.get(str(value), f"{value} (the wrap policy's own)")
 
 

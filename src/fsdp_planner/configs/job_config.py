@@ -140,7 +140,14 @@ class JobConfig:
             return "activation_checkpoint (torchtitan's checkpoint wrapper, early_stop=False)"
         if name == "early_stop" and "activation_checkpoint.early_stop" not in self.keys:
             return "activation_checkpoint.early_stop (not given: false, torchtitan's default since #1580)"
+        if name == "reshard" and self.fsdp1:  # (Accelerate's FSDP1 plugin reads its strategy first)
+            return "fsdp_config.fsdp_sharding_strategy"
         return KEY_NAMES[self.kind][name]
+
+    @property
+    def fsdp1(self) -> bool:
+        """An Accelerate config of FSDP1 (fsdp_version 1, its default)."""
+        return self.kind == ACCELERATE and self.keys.get("fsdp_config.fsdp_version", 1) == 1
 
 
 KEY_NAMES = {
