@@ -355,10 +355,18 @@ SLOW_COMPILES = 8  # distinct blocks past which --compile's partitioning takes a
 # a CPU: DeepSeek-V3's 61 layers took 3 min)
 
 
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
 def _selective_copy(block: nn.Module, policy: SacPolicy) -> nn.Module:
     """A copy of ``block`` (on meta) under op-level selective checkpointing with ``policy``, as ``apply_plan``
     checkpoints it: what the partitioner is measured on for compiled blocks under SAC."""
     copy = deepcopy(block)
+    for m in copy.modules():  # checkpointed dropout: AOTAutograd's partitioner saves its RNG state (a few bytes,
+        # functionalize_rng_ops) to draw the same mask again, which meta tensors cannot (run_and_save_rng_state has
+        # no meta backend): traced without it, as the mask is not saved either way
+        if isinstance(m, DROPOUTS) and m.p > 0:
+            m.p = 0.0
     apply_checkpointing(copy, [], {"": policy})
     return copy
 
