@@ -984,3 +984,12 @@ def test_an_fsdp1_accelerate_config_s_edit_names_its_sharding_strategy(tmp_path,
     assert "fsdp_config.fsdp_sharding_strategy" in keys and "fsdp_config.fsdp_reshard_after_forward" not in keys
     assert {"key": "fsdp_config.fsdp_sharding_strategy", "config": "FULL_SHARD", "auto": "SHARD_GRAD_OP"} in \
         [{k: c[k] for k in ("key", "config", "auto")} for c in doc["best_edit"]["changes"]]
+
+
+def test_accelerate_quoted_fsdp_version_and_a_section_that_is_no_mapping(tmp_path):
+    """Accelerate reads fsdp_version through the environment (int("2")): a quoted "2" is FSDP2, where it was
+    refused as not 1 or 2; a section that is no mapping is said in YAML's words, not as a TOML table."""
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: '2'\n")))
+    assert cfg.keys["fsdp_config.fsdp_version"] == 2 and not cfg.fsdp1
+    with pytest.raises(PlannerError, match=r"fsdp_config = .* is not a mapping of keys"):
+        read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config: 3\n")))

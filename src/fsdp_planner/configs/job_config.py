@@ -280,7 +280,8 @@ def _bool(cfg: JobConfig, key: str, value: Any) -> bool:
 def _table(cfg: JobConfig, data: dict[str, Any], name: str) -> dict[str, Any]:
     section = data.get(name, {})
     if not isinstance(section, dict):
-        raise _bad(cfg, f"[{name}]", section, "a table")
+        raise _bad(cfg, f"[{name}]" if cfg.kind == TORCHTITAN else name, section,
+                   "a table" if cfg.kind == TORCHTITAN else "a mapping of keys")
     return section
 
 
@@ -814,6 +815,9 @@ def _fsdp2_notes(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
 
 def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
     version = fsdp.get("fsdp_version", 1)
+    if isinstance(version, str) and version.strip() in ("1", "2"):  # (the launcher passes it through the
+        # environment: FullyShardedDataParallelPlugin reads int(FSDP_VERSION), a quoted "2" alike)
+        version = int(version)
     cfg.keys["fsdp_config.fsdp_version"] = version
     if version not in (1, 2):
         raise _bad(cfg, "fsdp_config.fsdp_version", version, "1 or 2")
