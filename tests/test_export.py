@@ -393,7 +393,8 @@ def test_accelerate_export_is_a_launch_config_with_its_hook_beside_it(tmp_path: 
     assert loaded.distributed_type.value == "FSDP" and loaded.mixed_precision == "no"  # fp32: 'no', not false
     assert loaded.fsdp_config["fsdp_version"] == 2 and loaded.fsdp_config["fsdp_activation_checkpointing"] is False
     job = read_config(ACCELERATE, str(config))
-    assert (job.precision, job.reshard, job.offload) == ("fp32", "always", False)
+    # (fsdp_reshard_after_forward: true is the wrap policy's own rule: "default")
+    assert (job.precision, job.reshard, job.offload) == ("fp32", "default", False)
     # read back, the YAML says its groups are a script's: the one note
     assert len(job.notes) == 1 and job.notes[0].startswith("fsdp_auto_wrap_policy NO_WRAP is read as one FSDP group")
     hook = config.with_suffix(".py")

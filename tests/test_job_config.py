@@ -212,9 +212,10 @@ def test_accelerate_s_context_and_sequence_parallel_options(tmp_path):
 
 
 @pytest.mark.parametrize(("strategy", "reshard", "replicate"), [
-    ("FULL_SHARD", "always", 1), ("SHARD_GRAD_OP", "never", 1), ("HYBRID_SHARD", "always", 2),
+    # (FULL_SHARD: every unit but the root freed after forward, FSDP1's root keeping its params: the policy's rule)
+    ("FULL_SHARD", "default", 1), ("SHARD_GRAD_OP", "never", 1), ("HYBRID_SHARD", "default", 2),
     ("_HYBRID_SHARD_ZERO2", "never", 2),
-    (1, "always", 1), (2, "never", 1), ("4", "always", 2),  # Accelerate takes FSDP1's ShardingStrategy numbers
+    (1, "default", 1), (2, "never", 1), ("4", "default", 2),  # Accelerate takes FSDP1's ShardingStrategy numbers
 ])
 def test_accelerate_v1_sharding_strategies(tmp_path, strategy, reshard, replicate):
     cfg = read_config(ACCELERATE, str(accel(tmp_path, f"fsdp_config:\n  fsdp_sharding_strategy: {strategy}\n"
@@ -993,3 +994,19 @@ def test_accelerate_quoted_fsdp_version_and_a_section_that_is_no_mapping(tmp_pat
     assert cfg.keys["fsdp_config.fsdp_version"] == 2 and not cfg.fsdp1
     with pytest.raises(PlannerError, match=r"fsdp_config = .* is not a mapping of keys"):
         read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config: 3\n")))
+
+
+def test_accelerate_reshard_keys_as_accelerate_1_16_runs_them(tmp_path):
+    """FSDP1: the launcher passes fsdp_sharding_strategy (default FULL_SHARD), which wins over
+    fsdp_reshard_after_forward (accelerate config writes FSDP1's choice there): read as FULL_SHARD, with a note
+    (it was read as SHARD_GRAD_OP, 95 GiB over the budget where the job runs FULL_SHARD: the review). FSDP2's true is
+    the policy's own rule (the carved tail and the root stay gathered), not every group resharded."""
+    v1 = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_reshard_after_forward: SHARD_GRAD_OP\n")))
+    assert v1.reshard == "default" and any("is not what FSDP1 runs" in n for n in v1.notes)
+    for value, rule in (("true", "default"), ("false", "never")):
+        v2 = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n  "
+                                                          f"fsdp_reshard_after_forward: {value}\n")))
+        assert v2.reshard == rule
+    with pytest.raises(PlannerError, match="fsdp_reshard_after_forward"):
+        read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n  "
+                                                    "fsdp_reshard_after_forward: SHARD_GRAD_OP\n")))

@@ -153,9 +153,9 @@ def _reshard_text(cfg: JobConfig, value: str | None, plan: Plan | None = None) -
         return str(value)
     if cfg.fsdp1:  # FSDP1's strategy (HSDP is its HYBRID_SHARD pair)
         hybrid = cfg.replicate > 1
-        return {"always": "HYBRID_SHARD" if hybrid else "FULL_SHARD",
-                "never": "_HYBRID_SHARD_ZERO2" if hybrid else "SHARD_GRAD_OP"}.get(str(value), f"{value} (FULL_SHARD)")
-    return {"always": "true", "never": "false"}.get(str(value), f"{value} (the wrap policy's own)")
+        return {"default": "HYBRID_SHARD" if hybrid else "FULL_SHARD",
+                "never": "_HYBRID_SHARD_ZERO2" if hybrid else "SHARD_GRAD_OP"}.get(str(value), str(value))
+    return {"default": "true", "never": "false"}.get(str(value), str(value))
 
 
 def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan | None) -> list[Change]:

@@ -692,8 +692,9 @@ CLASSES_KEY = "fsdp_config.fsdp_transformer_layer_cls_to_wrap"  # the classes a 
 FSDP1_PREFETCH_KEYS = ("fsdp_backward_prefetch", "fsdp_forward_prefetch")  # FSDP1's BackwardPrefetch, forward_prefetch
 V1_STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD",
                        5: "_HYBRID_SHARD_ZERO2"}  # torch's FSDP1 ShardingStrategy values
-V1_STRATEGIES = {"FULL_SHARD": ("always", False), "SHARD_GRAD_OP": ("never", False),
-                 "HYBRID_SHARD": ("always", True), "_HYBRID_SHARD_ZERO2": ("never", True)}
+V1_STRATEGIES = {"FULL_SHARD": ("default", False), "SHARD_GRAD_OP": ("never", False),
+                 "HYBRID_SHARD": ("default", True), "_HYBRID_SHARD_ZERO2": ("never", True)}  # (the reshard rule, and
+# whether it replicates across machines; "default": every group but the root, as FSDP1 frees them)
 
 
 def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
@@ -830,26 +831,44 @@ def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
                                  "with FSDP2's default prefetching (backward one group ahead)")
     if version == 2:
         _fsdp2_notes(cfg, fsdp)
-    key = "fsdp_reshard_after_forward" if "fsdp_reshard_after_forward" in fsdp or version == 2 else \
-        "fsdp_sharding_strategy"
-    value = fsdp.get(key)
+        _fsdp2_reshard(cfg, fsdp)
+    else:
+        _fsdp1_strategy(cfg, fsdp)
+
+
+def _fsdp2_reshard(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
+    """FSDP2's fsdp_reshard_after_forward, a bool (default true): true is the wrap policy's own rule, as
+    fsdp2_prepare_model shards the wrapped modules with it while its carved [final norm, output embedding] and the
+    root stay unsharded after forward; false, every group."""
+    value = fsdp.get("fsdp_reshard_after_forward")
     if value is None:
         return
-    if key == "fsdp_sharding_strategy":
-        value = _v1_strategy(cfg, value)
-    if isinstance(value, str) and value.strip().upper() in V1_STRATEGIES:
-        cfg.reshard, hybrid = V1_STRATEGIES[value.strip().upper()]
-        if hybrid and (cfg.nodes or 1) > 1:  # HYBRID_SHARD: shard within a machine, replicate across machines
-            if cfg.replicate not in (1, cfg.nodes):
-                raise PlannerError(f"fsdp_config.fsdp_sharding_strategy = {value.strip()} replicates across the "
-                                   f"{cfg.nodes} machines and parallelism_config.parallelism_config_dp_replicate_size"
-                                   f" = {cfg.replicate}: they disagree, give one of them")
-            cfg.replicate = cfg.nodes or 1
-    elif isinstance(value, str) and value.strip().upper() == "NO_SHARD":
-        raise _bad(cfg, "fsdp_config.fsdp_sharding_strategy", value, "a sharded strategy (NO_SHARD is DDP)")
-    else:
-        cfg.reshard = "always" if _bool(cfg, "fsdp_config.fsdp_reshard_after_forward", value) else "never"
+    cfg.reshard = "default" if _bool(cfg, "fsdp_config.fsdp_reshard_after_forward", value) else "never"
     cfg.keys["fsdp_config.fsdp_reshard_after_forward"] = value
+
+
+def _fsdp1_strategy(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
+    """FSDP1's sharding strategy: Accelerate's launcher passes fsdp_sharding_strategy (default FULL_SHARD), which
+    its plugin reads before fsdp_reshard_after_forward (accelerate 1.16: launch.py, FullyShardedDataParallelPlugin).
+    FULL_SHARD frees every unit but the root after forward (FSDP1's root keeps its params for backward)."""
+    if "fsdp_reshard_after_forward" in fsdp:
+        cfg.notes.append(f"fsdp_config.fsdp_reshard_after_forward = {shown_json(fsdp['fsdp_reshard_after_forward'])} "
+                         "is not what FSDP1 runs: Accelerate's launcher passes fsdp_sharding_strategy (default "
+                         "FULL_SHARD), which its plugin reads first; set that key")
+    value = fsdp.get("fsdp_sharding_strategy")
+    if value is None:
+        return
+    value = _v1_strategy(cfg, value)
+    if value.strip().upper() == "NO_SHARD":
+        raise _bad(cfg, "fsdp_config.fsdp_sharding_strategy", value, "a sharded strategy (NO_SHARD is DDP)")
+    cfg.reshard, hybrid = V1_STRATEGIES[value.strip().upper()]
+    if hybrid and (cfg.nodes or 1) > 1:  # HYBRID_SHARD: shard within a machine, replicate across machines
+        if cfg.replicate not in (1, cfg.nodes):
+            raise PlannerError(f"fsdp_config.fsdp_sharding_strategy = {value.strip()} replicates across the "
+                               f"{cfg.nodes} machines and parallelism_config.parallelism_config_dp_replicate_size"
+                               f" = {cfg.replicate}: they disagree, give one of them")
+        cfg.replicate = cfg.nodes or 1
+    cfg.keys["fsdp_config.fsdp_sharding_strategy"] = value
 
 
 def _accelerate_precision(cfg: JobConfig, data: dict[str, Any]) -> None:
@@ -895,4 +914,4 @@ def edit_choices(cfg: JobConfig) -> tuple[tuple[ACMode, ...], tuple[str, ...]]:
         return REGISTRY_AC_MODES, TITAN_RESHARD
     if cfg.kind == TORCHTITAN:
         return tuple(m for m in ACMode if m is not ACMode.OFFLOAD), TITAN_RESHARD
-    return (ACMode.NONE, ACMode.FULL), ("always", "never")
+    return (ACMode.NONE, ACMode.FULL), ("default", "never")  # (true / FULL_SHARD: the policy's rule, the root kept)

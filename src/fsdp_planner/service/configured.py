@@ -447,14 +447,22 @@ def _accelerate_fsdp2_carve(m: _Merge, model: str | None) -> None:
     input embedding alone and [final norm, output embedding] (tied: with the embedding) as one group kept unsharded
     after forward, the root last: torchtitan's grouping (the module policy left them to the root)."""
     cfg = m.cfg
-    if cfg.kind == ACCELERATE and cfg.policy is PolicyName.MODULE and len(cfg.module_classes) <= 1 and \
-            cfg.keys.get("fsdp_config.fsdp_version") == 2 and model is not None and model.startswith("hf:"):
-        cfg.policy = PolicyName.TITAN
-        m.note("Accelerate's FSDP2 shards a transformers model's input embedding alone and [final norm, output "
-               "embedding] as one group kept unsharded after forward, beside the blocks TRANSFORMER_BASED_WRAP "
-               "wraps (fsdp2_prepare_model, accelerate 1.16): simulated as titan's grouping, which is that for a "
-               "Llama-style model (titan also shards another module before the first block alone, such as GPT-2's "
-               "position embedding, which Accelerate leaves to the root)")
+    if cfg.kind != ACCELERATE or cfg.keys.get("fsdp_config.fsdp_version") != 2:
+        return
+    if not (cfg.policy is PolicyName.MODULE and len(cfg.module_classes) <= 1 and model is not None
+            and model.startswith("hf:")):
+        m.note("Accelerate's FSDP2 also shards, after the wrap policy's modules, a transformers model's input "
+               "embedding alone and [final norm, output embedding] (a model of its own: a child of the root whose "
+               "class name holds Norm) as a group kept unsharded after forward (fsdp2_prepare_model, accelerate "
+               "1.16): not simulated with this wrap policy, whose groups are FSDP1's; TRANSFORMER_BASED_WRAP on a "
+               "transformers model is")
+        return
+    cfg.policy = PolicyName.TITAN
+    m.note("Accelerate's FSDP2 shards a transformers model's input embedding alone and [final norm, output "
+           "embedding] as one group kept unsharded after forward, beside the blocks TRANSFORMER_BASED_WRAP wraps "
+           "(fsdp2_prepare_model, accelerate 1.16): simulated as titan's grouping, which is that for a Llama-style "
+           "model (titan also shards another module before the first block alone, such as GPT-2's position "
+           "embedding, and puts a final norm Accelerate does not find in its tail)")
 
 
 def _policy(m: _Merge, command: str, plan_file: bool) -> None:
