@@ -1010,3 +1010,20 @@ def test_accelerate_reshard_keys_as_accelerate_1_16_runs_them(tmp_path):
     with pytest.raises(PlannerError, match="fsdp_reshard_after_forward"):
         read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n  "
                                                     "fsdp_reshard_after_forward: SHARD_GRAD_OP\n")))
+
+
+@pytest.mark.integration  # (a plan of the built-in 8B on 16 GPUs beside its config: ~25 s)
+def test_an_fsdp1_hybrid_config_s_edit_says_its_mesh_by_strategy(tmp_path, capsys):
+    """FSDP1's HSDP is HYBRID_SHARD across the machines: an edit to one 16-rank FSDP group named
+    _HYBRID_SHARD_ZERO2 beside parallelism_config keys, which FSDP1 does not read (the config's replicate chose the
+    strategy's text, not the edit's mesh)."""
+    yaml = accel(tmp_path, "mixed_precision: bf16\nnum_machines: 2\nnum_processes: 16\nfsdp_config:\n  "
+                           "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: "
+                           "TransformerBlock\n  fsdp_sharding_strategy: HYBRID_SHARD\n")
+    assert main(["plan", "llama3-8b", "--from-accelerate", str(yaml), "--cluster", "h100", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    edit = {c["key"]: c["auto"] for c in doc["best_edit"]["changes"]}
+    assert not any(k.startswith("parallelism_config") for k in edit)
+    assert edit.get("fsdp_config.fsdp_sharding_strategy") in ("SHARD_GRAD_OP", "FULL_SHARD", "_HYBRID_SHARD_ZERO2")
+    mesh = doc["best_edit"]["step"]["mesh"]
+    assert ("HYBRID" in edit["fsdp_config.fsdp_sharding_strategy"]) == (mesh == "2x8"), (edit, mesh)

@@ -145,17 +145,20 @@ def _ac_text(cfg: JobConfig, mode: ACMode | None, plan: Plan | None = None) -> s
                                                                                  "(not an Accelerate setting)")
 
 
-def _reshard_text(cfg: JobConfig, value: str | None, plan: Plan | None = None) -> str:
+def _reshard_text(cfg: JobConfig, value: str | None, plan: Plan | None = None, replicate: int = 1) -> str:
+    """The reshard rule as the config's key says it; an Accelerate job's true (FSDP1: FULL_SHARD, or HYBRID_SHARD
+    on ``replicate`` machines) is the wrap policy's own rule, every wrapped group resharded ("always" or
+    "default" here: the root, and Accelerate's carved tail, kept gathered either way)."""
     if value is None and plan is not None:
         flags = [str(f) for f in _flags(plan)]
         return "per group: " + ", ".join(f"{flags.count(v)} x {v}" for v in dict.fromkeys(flags))
     if cfg.kind == TORCHTITAN:
         return str(value)
+    on = value in ("always", "default")
     if cfg.fsdp1:  # FSDP1's strategy (HSDP is its HYBRID_SHARD pair)
-        hybrid = cfg.replicate > 1
-        return {"default": "HYBRID_SHARD" if hybrid else "FULL_SHARD",
-                "never": "_HYBRID_SHARD_ZERO2" if hybrid else "SHARD_GRAD_OP"}.get(str(value), str(value))
-    return {"default": "true", "never": "false"}.get(str(value), str(value))
+        return ("HYBRID_SHARD" if on else "_HYBRID_SHARD_ZERO2") if replicate > 1 else \
+            ("FULL_SHARD" if on else "SHARD_GRAD_OP")
+    return "true" if on else "false"
 
 
 def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan | None) -> list[Change]:
@@ -167,11 +170,13 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
         ok = new.ac is not None and (new.ac in REGISTRY_AC if cfg.registry else
                                      cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
         out.append(Change(cfg.key("ac"), _ac_text(cfg, old.ac, config_plan), _ac_text(cfg, new.ac, auto), ok))
-    if new.reshard != old.reshard or (held and new.reshard is None and _flags(config_plan) != _flags(auto)):
-        ok = new.reshard is not None and (cfg.kind == TORCHTITAN or new.reshard != "default")
-        out.append(Change(cfg.key("reshard"), _reshard_text(cfg, old.reshard, config_plan),
-                          _reshard_text(cfg, new.reshard, auto), ok))
-    if new.mesh != old.mesh:
+    fsdp1 = cfg.fsdp1  # (its HSDP is a strategy, HYBRID_SHARD across the machines: no parallelism_config keys)
+    olds, news = (_reshard_text(cfg, r, p, m.replicate) for r, p, m in ((old.reshard, config_plan, old.mesh),
+                                                                         (new.reshard, auto, new.mesh)))
+    if olds != news or (held and new.reshard is None and _flags(config_plan) != _flags(auto)):
+        ok = new.reshard is not None and (not fsdp1 or new.mesh.replicate in (1, cfg.nodes or 1))
+        out.append(Change(cfg.key("reshard"), olds, news, ok))
+    if new.mesh != old.mesh and not fsdp1:
         out.append(Change(cfg.key("replicate"), str(old.mesh.replicate), str(new.mesh.replicate)))
         out.append(Change(cfg.key("shard"), str(old.mesh.shard), str(new.mesh.shard)))
     if new.ep != old.ep:  # (auto's EP screen chose another degree, or the edit takes it)
