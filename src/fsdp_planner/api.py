@@ -25,7 +25,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import LoadedModel, ModelSpec
-from fsdp_planner.patching import quiet_loggers
+from fsdp_planner.patching import FAKE_TENSOR_LOGGER, quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.service.job import DEFAULT_CLUSTER, PlanJob
 from fsdp_planner.service.outcome import PlanOutcome
@@ -130,9 +130,6 @@ def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None,
     """Collective counts and bytes of one step of ``plan`` on ``world_size`` ranks (None: nothing padded), at each
     param's dtype or ``precision``'s, the plan checked against ``trace`` as ``simulate`` checks it."""
     return metrics_of(trace, checked_on_trace(plan, trace), world_size, precision)
-
-
-FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"  # logs each op's error before raising it
 
 
 def _check_model(model: object, inputs: Any, loss_fn: object, policy: object, batch: object, seq: object,

@@ -29,6 +29,9 @@ def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
             setattr(owner, name, own)
 
 
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"  # logs each op's error, with its stack, before raising it
+
+
 @contextlib.contextmanager
 def quiet_loggers(*names: str, level: int = logging.ERROR) -> Iterator[None]:
     """The named loggers report ``level`` and above only inside, their own levels back on every way out: for lines

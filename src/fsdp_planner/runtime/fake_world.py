@@ -72,7 +72,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision, mixed_precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, hf, resolve_factory
 from fsdp_planner.norms import fused_rms_norm_everywhere
-from fsdp_planner.patching import patched, quiet_loggers
+from fsdp_planner.patching import FAKE_TENSOR_LOGGER, patched, quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn
 from fsdp_planner.runtime.fake_build import FakeModel, build_fake
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
@@ -702,7 +702,7 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     started = time.perf_counter()
     # (an op that fails on the fake ranks is said in one line: not also as fake tensors' logged stack)
     with fake_process_group(world_size), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
-            _held_view_warnings() as views, quiet_loggers("torch._subclasses.fake_tensor", level=logging.CRITICAL):
+            _held_view_warnings() as views, quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
         built, host_copies = build_fake(factory, spec.name, mode), HostCopies()
         shard(built.model, plan, world_size, precision, host_copies)
         training = FakeTraining(built, plan, how, spec, host_copies)
