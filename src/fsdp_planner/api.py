@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
 from fsdp_planner.attention import kernel
-from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PolicyName, Target
+from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PolicyName, Target, ZeroGrad
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
@@ -33,11 +34,12 @@ from fsdp_planner.service.plan_files import checked_on_trace
 from fsdp_planner.service.planning import plan as plan_job
 from fsdp_planner.service.tracing import (
     LayoutDoesNotRun,
+    as_the_job_runs,
     built_by,
     model_error,
     step_failure,
+    step_loss,
     trace_spec,
-    with_loss_chunks,
 )
 from fsdp_planner.service.validate import Keywords, Spelling
 from fsdp_planner.service.validate import cluster as checked_cluster
@@ -64,18 +66,17 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
          routing: float | None = None, hf_config: dict[str, Any] | None = None,
          gradient_sync: str | None = None, tp: int | None = None, loss_parallel: bool | None = None,
          async_tp: bool = False, ep: int | None = None, ep_placement: str | None = None,
-         fp32_modules: tuple[str, ...] = (), loss_chunks: int | None = None) -> Plan:
+         fp32_modules: tuple[str, ...] = (), loss_chunks: int | None = None, compile: bool = False,
+         compile_loss: bool = False, float8: str | None = None, float8_all_gather: bool | None = None,
+         float8_skip: tuple[str, ...] = (), float8_tp_all_gather: bool | None = None,
+         zero_grad: str = ZeroGrad.NONE.value) -> Plan:
     """The FSDP2 plan for ``model`` on ``cluster``: the plan ``fsdp-planner plan ... --policy POLICY --out`` writes
-    for the same model and options (each keyword is the option of the same name, ``-`` as ``_``, checked by the
-    same validator with the same types and ranges: a bool is a bool; the README's Python API section lists them).
-    ``micro_batches="auto"`` is ``--micro-batches auto``: auto's choice of the split of ``batch`` (a MODEL spec
-    string with ``batch`` and ``policy="auto"``). ``hf_config``: a dict of ``--hf-config`` fields, for an ``hf:``
-    MODEL spec. ``tp``: tensor parallelism of that degree inside each node (``--tp``; default none, and auto
-    chooses among 1, 2, 4 and 8), with ``loss_parallel`` and ``async_tp``. ``ep``: expert parallelism of that degree
-    over the model's grouped experts (``--ep``; default none), the experts sharded where ``ep_placement``
-    says (``--ep-placement``: "blocks" or "own"). ``fp32_modules``: modules kept in fp32 groups of their
-    own under a mixed precision (``--fp32-modules``, e.g. MoE routers; BatchNorm with running stats needs no asking).
-    ``loss_chunks``: the output layer and loss in chunks, as torchtitan's ChunkedLossWrapper (--loss-chunks; 0: whole).
+    for the same model and options. Each keyword is the option of the same name, ``-`` as ``_`` (``tp`` is
+    ``--tp``, ``compile`` ``--compile``, ``float8`` ``--float8``, ``zero_grad`` ``--zero-grad``), checked by the same
+    validator with the same types and ranges (a bool is a bool); the README's Python API section says what each
+    does. ``micro_batches="auto"`` is auto's choice of the split of ``batch`` (a MODEL spec string with ``batch``
+    and ``policy="auto"``); ``hf_config`` a dict of ``--hf-config`` fields, for an ``hf:`` MODEL spec;
+    ``loss_chunks=0`` the loss whole.
 
     ``model`` is an ``nn.Module`` (on meta or real) with its ``inputs`` (a tuple of positional args, one tensor or
     a dict of kwargs: one micro-batch of one rank) and optional ``loss_fn`` (default: the mean of squares of the
@@ -98,7 +99,9 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         reduce_dtype=reduce_dtype, shard_placement=shard_placement, attention=attention, routing=routing,
         hf_config=hf_config, gradient_sync=gradient_sync, tp=tp, loss_parallel=loss_parallel, async_tp=async_tp,
         ep=ep, ep_placement=ep_placement, fp32_modules=fp32_modules or None,
-        loss_chunks=None if loss_chunks == 0 and type(loss_chunks) is int else loss_chunks)
+        loss_chunks=None if loss_chunks == 0 and type(loss_chunks) is int else loss_chunks, compile=compile,
+        compile_loss=compile_loss, float8=float8, float8_all_gather=float8_all_gather,
+        float8_skip=float8_skip or None, float8_tp_all_gather=float8_tp_all_gather, zero_grad=zero_grad)
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
                       split_by_default=True)
     if isinstance(model, str):
@@ -164,23 +167,11 @@ def _check_module(model: nn.Module, inputs: Any, batch: object, seq: object, hf_
         raise PlannerError("the model has no trainable parameters: FSDP plans are for training")
 
 
-def _with_its_chunks(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                     spec: ModelSpec, options: SimOptions, real: list[str] | None = None) -> Trace:
-    """A module's step (``_traced_module``), with its loss in ``loss_chunks`` chunks as a MODEL spec's is traced:
-    the wrapper's inner cross-entropy in place of ``loss_fn`` (its notes unsaid: the API returns the plan)."""
-    if not spec.loss_chunks:
-        return _traced_module(model, inputs, loss_fn, spec, options, real)
-    tr = _traced_module(model, inputs, cross_entropy, spec, options, real)
-    return with_loss_chunks(tr, spec, options.precision, lambda line: None)
-
-
 def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
                    spec: ModelSpec, options: SimOptions, real: list[str] | None = None) -> Trace:
-    """The module's step traced as the command line traces a factory's (under the job's attention kernel and
-    routing capacity): on its meta twin, or, when the step cannot run on meta, the real model under fake tensors
-    (said in ``real``)."""
-    routing = spec.routing or DEFAULT_CAPACITY
-    label = f"the {type(model).__name__} model"
+    """The module's step traced as the command line traces a factory's (``_step_of``): on its meta twin, or, when
+    the step cannot run on meta, the real model under fake tensors (said in ``real``)."""
+    name = type(model).__name__
     with kernel(spec.attention):
         try:
             copy, meta_inputs = _on_meta(model, inputs)
@@ -188,25 +179,40 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
             copy = None
         try:  # the command line traces on meta: a real model's meta twin gives its figures, and leaves it untouched
             if copy is not None:
-                return trace(copy, meta_inputs, _on_meta_loss(loss_fn), precision=options.precision,
-                             routing=routing, fp32_modules=spec.fp32_modules)
-        except PlannerError:  # the verdict of the step in the precision (PrecisionError): the model's, not meta's
+                return _step_of(LoadedModel(name, copy, meta_inputs, _on_meta_loss(loss_fn)), spec, options)
+        except PlannerError:  # the verdict of the step in the precision (PrecisionError), compile's: the model's
             raise
         except (SystemExit, Exception) as e:
             if copy is model:
-                raise step_failure(e, label) from e
+                raise step_failure(e, f"the {name} model") from e
         # a step that cannot run on meta (a tensor made on an explicit device in forward): the real model under
         # fake tensors, its grads kept (an error of the step is said once, not logged by each fake op it fails in)
+        if spec.compile or spec.compile_loss:
+            raise PlannerError(f"compile: what compiled code saves is measured on a meta copy of the model, and the "
+                               f"{name} model's step runs only on real tensors (a tensor made on an explicit device "
+                               "in its forward: make it on its input's device, e.g. device=x.device)")
         if real is not None:
             real.append(spec.name)
         with _grads_kept(model), quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
             try:
-                return trace(model, inputs, loss_fn, precision=options.precision, routing=routing,
-                             fp32_modules=spec.fp32_modules)
+                return _step_of(LoadedModel(name, model, inputs, loss_fn), spec, options)
             except PlannerError:
                 raise
             except (SystemExit, Exception) as e:
-                raise step_failure(e, label) from e
+                raise step_failure(e, f"the {name} model") from e
+
+
+def _step_of(lm: LoadedModel, spec: ModelSpec, options: SimOptions) -> Trace:
+    """``lm``'s step under the job's routing capacity, its loss and blocks as the job runs them (compiled, in
+    chunks: ``as_the_job_runs``), its notes unsaid (the API returns the plan)."""
+    loss, given = step_loss(lm, spec, _unsaid)
+    tr = trace(lm.model, lm.example_inputs, loss, precision=options.precision,
+               routing=spec.routing or DEFAULT_CAPACITY, fp32_modules=spec.fp32_modules)
+    return as_the_job_runs(tr, lm, spec, given, options.precision, _unsaid)
+
+
+def _unsaid(line: str) -> None:
+    """A note of the trace, which the API does not print (it returns the plan)."""
 
 
 def _on_meta(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
@@ -230,7 +236,7 @@ def _planned_module(job: PlanJob, model: nn.Module, inputs: Any, loss_fn: Callab
     real: list[str] = []  # the traces that ran on the real model under fake tensors
 
     try:
-        return plan_job(job, lambda spec, options: _with_its_chunks(model, inputs, loss_fn, spec, options, real))
+        return plan_job(job, lambda spec, options: _traced_module(model, inputs, loss_fn, spec, options, real))
     except LayoutDoesNotRun as e:
         if not real:
             raise
@@ -252,13 +258,18 @@ def _meta_twin(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Ten
     return LoadedModel(type(model).__name__, twin, meta_inputs, _on_meta_loss(loss_fn))
 
 
-class _RealToMeta(TorchDispatchMode):
-    """Every real tensor an op reads moved onto meta first: a ``loss_fn`` closing over real targets (built beside
-    the real model) reads them as the factory's meta twin would."""
+class _RealToMeta(TorchFunctionMode):
+    """Every real tensor a torch function reads moved onto meta first: a ``loss_fn`` closing over real targets
+    (built beside the real model) reads them as the factory's meta twin would. A function mode, not a dispatch
+    mode, because torch.compile traces through it (``compile_loss``): the move is then the graph's ``device_put``
+    of the lifted target, which ``trace/compiled_loss`` counts as the caller's."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        with _disable_current_modes():  # the move itself is no op of the step
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch.compiler.is_compiling():
             args, kwargs = tree_map_only(torch.Tensor, _meta, (args, kwargs or {}))
+        else:
+            with _disable_current_modes():  # the move itself is no op of the step
+                args, kwargs = tree_map_only(torch.Tensor, _meta, (args, kwargs or {}))
         return func(*args, **kwargs)
 
 

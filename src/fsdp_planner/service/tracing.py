@@ -47,9 +47,7 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     repeated blocks); what the trace notes (and which attention kernel it assumed) goes to ``note``."""
     spec = as_spec(spec)
     lm = load_model(spec, meta=True)
-    loss_inputs: list[LossInputs] = []
-    own_loss = _step_loss(lm, spec, note)
-    loss_fn = capturing(own_loss or default_loss, loss_inputs) if spec.compile_loss else own_loss
+    loss_fn, loss_inputs = step_loss(lm, spec, note)
     try:
         # transformers says on a CPU that its reference gated DeltaNet convolution is slower than the causal-conv1d
         # package's kernel: a planned step takes the GPU's kernels (``linear_attention.py``)
@@ -69,8 +67,7 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
                  hf.version_note() if hf.is_hf(spec.name) else None):
         if line:
             note(line)
-    tr = _with_its_loss(tr, lm, spec, loss_inputs, precision or SimOptions().precision, note)
-    return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
+    return as_the_job_runs(tr, lm, spec, loss_inputs, precision or SimOptions().precision, note)
 
 
 def step_failure(e: BaseException, label: str, full: bool = False) -> PlannerError:
@@ -87,12 +84,24 @@ def step_failure(e: BaseException, label: str, full: bool = False) -> PlannerErr
                         f"{'' if full else _replay_hint(e)}")
 
 
-def _step_loss(lm: LoadedModel, spec: ModelSpec, note: Callable[[str], None]) -> Callable[[Any], Any] | None:
-    """The loss the step runs: the model's own, or with ``--loss-chunks`` the wrapper's inner cross-entropy."""
+def step_loss(lm: LoadedModel, spec: ModelSpec, note: Callable[[str], None]
+              ) -> tuple[Callable[[Any], Any] | None, list[LossInputs]]:
+    """The loss the step is traced with (the model's own, or with ``--loss-chunks`` the wrapper's inner
+    cross-entropy), and the list a compiled loss (``--compile-loss``) has the loss's inputs captured into."""
     if spec.loss_chunks and lm.loss_fn is not None:
         note("--loss-chunks: the loss is torchtitan's cross-entropy over the logits (ChunkedLossWrapper's inner "
              "loss, fp32), which the chunks run in place of the model's own loss_fn")
-    return cross_entropy if spec.loss_chunks else lm.loss_fn
+    own = cross_entropy if spec.loss_chunks else lm.loss_fn
+    given: list[LossInputs] = []
+    return (capturing(own or default_loss, given) if spec.compile_loss else own), given
+
+
+def as_the_job_runs(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[LossInputs], precision: Precision,
+                    note: Callable[[str], None]) -> Trace:
+    """The step ``step_loss``'s loss was traced in, as the job runs it: its loss compiled or in chunks, its
+    repeated blocks compiled (every front end's one order: a MODEL spec's trace and the Python API's module)."""
+    tr = _with_its_loss(tr, lm, spec, given, precision, note)
+    return compiled_step(tr, lm, spec, precision, note) if spec.compile else tr
 
 
 def _with_its_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list[LossInputs], precision: Precision,

@@ -104,7 +104,12 @@ def compiled_loss(loss_fn: Callable[[Any], torch.Tensor], given: LossInputs) -> 
     if needs and (bw is None or not any(n is not None for n in tree_flatten(_output(bw).args)[0])):
         raise ValueError("the compiled loss has no gradient for the model's outputs")
     primals = _storages(mine)
-    others = _storages(n for n in placeholders if n not in mine)  # what the loss closes over: the step's labels
+    closed_over = [n for n in placeholders if n not in mine]
+    # what the loss closes over (the step's labels), and its copies onto the outputs' device: the Python API
+    # traces a real model's loss on meta, moving what it reads there, where the GPU job finds it in place
+    moved = [n for n in fw.graph.nodes
+             if n.target is torch.ops.prims.device_put.default and _viewed(n.args[0]) in closed_over]
+    others = _storages([*closed_over, *moved])
     kept: dict[StorageWeakRef, int] = {}
     saved: dict[StorageWeakRef, int] = {}
     if bw is not None:
@@ -185,6 +190,13 @@ def _storages(nodes: Any) -> dict[StorageWeakRef, int]:
     return out
 
 
+def _viewed(n: torch.fx.Node) -> torch.fx.Node:
+    """The node whose tensor ``n`` views (an alias of an alias of a placeholder: the placeholder), or ``n``."""
+    while node_kind(n) == "view" and n.args and isinstance(n.args[0], torch.fx.Node):
+        n = n.args[0]
+    return n
+
+
 def _output(gm: torch.fx.GraphModule) -> torch.fx.Node:
     return next(n for n in gm.graph.nodes if n.op == "output")
 
@@ -196,9 +208,12 @@ LOSS_EXTERN = (*EXTERN, "scatter", "index_put", "topk", "sort")
 
 
 def loss_kind(n: torch.fx.Node) -> str:
-    """``node_kind`` with ``LOSS_EXTERN``, but for a scalar scattered into a constant tensor (a cross-entropy's
-    backward: nll_loss's one-hot), which inductor's joint-graph pass makes a pointwise ``where``
+    """``node_kind`` with ``LOSS_EXTERN``, with two exceptions: a move onto another device is a view (in the GPU job
+    the labels are on the logits' device already), and a scalar scattered into a constant tensor (a cross-entropy's
+    backward: nll_loss's one-hot) is fused, as inductor's joint-graph pass makes it a pointwise ``where``
     (``config.optimize_scatter_upon_const_tensor``, fx_passes/joint_graph.py ``scatter_upon_const_tensor``)."""
+    if n.target is torch.ops.prims.device_put.default:  # the API's move of a real label onto meta (compiled_loss)
+        return "view"
     kind = node_kind(n, LOSS_EXTERN)
     if kind == "extern" and n.target is torch.ops.aten.scatter.value and isinstance(n.args[0], torch.fx.Node) \
             and n.args[0].target is torch.ops.aten.full.default:
