@@ -381,6 +381,22 @@ def encoder_note(model: nn.Module) -> str | None:
             "blocks but attends both ways (about twice the causal attention's FLOPs) and another head")
 
 
+IMAGENET_SIZE = 224  # the crop of ImageNet training, which a CNN config without image_size (ResNet, RegNet, BiT)
+# leaves to its preprocessor (microsoft/resnet-50's preprocessor_config.json: crop_size 224)
+
+
+def image_note(model: nn.Module) -> str | None:
+    """Said, not silent: the resolution an image classifier whose config has no ``image_size`` is planned at."""
+    config = getattr(model, "config", None)
+    if config is None or task_of(config) is not HfTask.IMAGE_CLASSIFICATION:
+        return None
+    image = getattr(config, "vision_config", None) or config
+    if hasattr(image, "image_size"):
+        return None
+    return (f"the {config.model_type} config gives no image size (its preprocessor does): planned at "
+            f"{IMAGENET_SIZE}x{IMAGENET_SIZE}, ImageNet's crop; for another, add \"image_size\": N to the config file")
+
+
 def mtp_note(model: nn.Module) -> str | None:
     """Said, not silent: a config's multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's, dots.llm1's
     ``num_nextn_predict_layers``), which transformers does not build, are left out of the plan."""
@@ -744,7 +760,9 @@ def build_image_classifier(data: dict[str, Any], batch_size: int, hf_config: Ove
     cfg = model.config
     # a two-tower config (CLIP, SigLIP) classifies with its vision tower: the image numbers are that tower's
     image = getattr(cfg, "vision_config", None) or cfg
-    pixels = torch.randn(batch_size, image.num_channels, image.image_size, image.image_size)
+    size = getattr(image, "image_size", IMAGENET_SIZE)
+    height, width = size if isinstance(size, list | tuple) and len(size) == 2 else (size, size)
+    pixels = torch.randn(batch_size, getattr(image, "num_channels", 3), height, width)
     labels = torch.randint(0, cfg.num_labels, (batch_size,))
     return model, {"pixel_values": pixels, "labels": labels}, model_loss
 

@@ -59,7 +59,7 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     except (SystemExit, Exception) as e:
         raise step_failure(e, f"'{spec}'", full) from e
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
-    encoder = hf.encoder_note(lm.model) if hf.is_hf(spec.name) else None
+    encoder = (hf.encoder_note(lm.model) or hf.image_note(lm.model)) if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr, lm.model),
                  mamba_note(tr, lm.model), selective_scan_note(tr, lm.model), routing_note(spec, routed[0]),
                  own_checkpointing_note(lm.own_checkpointing), positions, encoder,
