@@ -355,16 +355,22 @@ class TraceIndex:
         stacked = self._interleaved(main)
         for cls in sorted((c for c in total if c != main and (count[c] >= 2 or alone or c in stacked)),
                           key=lambda c: (-total[c], c)):
-            if (total[cls] >= PEER_SHARE * ours or cls in stacked) and not self._nested(cls, chosen):
+            # (a stacked class is a layer of the stack even where another layer kind also holds one: Zamba2's
+            # hybrid layers each wrap a Mamba layer beside the shared attention, between 5 plain Mamba layers,
+            # which were left to the root, 75% of the params; transformers' _no_split_modules names both)
+            if cls in stacked or (total[cls] >= PEER_SHARE * ours and not self._nested(cls, chosen)):
                 chosen.append(cls)
         return tuple(chosen)
 
     @cached_property
     def block_instances(self) -> tuple[str, ...]:
-        """The instances of ``checkpoint_block_classes``, in the model's order: the blocks ``--ac`` checkpoints,
-        ``--compile`` compiles and the order policy keeps whole."""
+        """The instances of ``checkpoint_block_classes``, in the model's order, but for one inside another (a
+        hybrid layer's own Mamba layer): the blocks ``--ac`` checkpoints, ``--compile`` compiles and the order
+        policy keeps whole."""
         classes = self.checkpoint_block_classes
-        return tuple(m for m, info in self._modules.items() if info.cls in classes)
+        found = [m for m, info in self._modules.items() if info.cls in classes]
+        held = set(found)
+        return tuple(m for m in found if not any(a in held for a in proper_ancestors(m) if a != ROOT))
 
     def _interleaved(self, cls: str) -> set[str]:
         """The classes of the modules that sit between two instances of ``cls`` in a container holding them."""
