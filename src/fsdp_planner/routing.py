@@ -40,6 +40,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.patching import patched
 
 DEFAULT_CAPACITY = 1.0
 NOT_HANDLED = object()
@@ -167,10 +168,16 @@ class StandIn:
 
     def selected(self, n: int) -> int:
         """Of a mask's ``n`` elements, how many the stand-in takes."""
-        if self.experts is None or n == self.experts:  # no routing, or a per-expert mask: each expert is hit
+        if self.experts is None:  # no routing
             return n
-        if n == self.experts + 1:  # a per-expert mask with one class more (transformers' DBRX one-hots its top-k
-            return self.experts  # into E + 1 classes): the E experts are hit, the extra class never is
+        if n in (self.experts, self.experts + 1):  # a per-expert mask: each expert is hit (with one class more,
+            # transformers' DBRX one-hots its top-k into E + 1 classes: the extra class never is); starved, one
+            # expert is not, as the first selection would take nothing (Switch Transformers' loop over the hit
+            # experts calls only those)
+            if self.starved and self.selections == 0 and not self.reads:
+                self.selections += 1
+                return self.experts - 1
+            return self.experts
         self.selections += 1
         if self.starved and self.selections == 1 and not self.reads:  # (a guard read first asked for that expert)
             return 0
@@ -320,14 +327,33 @@ def _is_mask(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) and _planned(t)
 
 
+_TENSOR_FORMAT = torch.Tensor.__format__
+
+
+def _format(self: torch.Tensor, spec: str) -> str:
+    """``Tensor.__format__``, but a one-element integer or boolean tensor without data formats as the value the
+    stand-in reads for it (``.item()``), as a real one formats as its value: torch formats a meta or fake scalar
+    as its repr, so Switch Transformers' ``self[f"expert_{idx[0]}"]`` looked up the key "expert_tensor(...)"."""
+    if self.dim() == 0 and not self.is_floating_point() and not self.is_complex() and _planned(self):
+        return format(self.item(), spec)
+    return _TENSOR_FORMAT(self, spec)
+
+
+@contextlib.contextmanager
+def values_formatted() -> Iterator[None]:
+    """Inside, a planned scalar index formats as its stand-in value (``_format``): entered with the stand-in."""
+    with patched(torch.Tensor, "__format__", _format):
+        yield
+
+
 _STARVED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_planner_starved", default=False)
 
 
 @contextlib.contextmanager
 def starved() -> Iterator[None]:
     """Stand-ins made inside route no token to one expert (the first routed selection after each routing takes
-    nothing): what a rank whose batch skips an expert runs, where a model that skips an expert without tokens skips
-    its call (``check``'s ``routing-skips``)."""
+    nothing, or the first mask of the experts hit leaves one out): what a rank whose batch skips an expert runs,
+    where a model that skips an expert without tokens skips its call (``check``'s ``routing-skips``)."""
     token = _STARVED.set(True)
     try:
         yield

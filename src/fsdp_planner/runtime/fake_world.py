@@ -73,7 +73,7 @@ from fsdp_planner.fsdp2.precision import Precision, mixed_precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, hf, resolve_factory
 from fsdp_planner.norms import fused_rms_norm_everywhere
 from fsdp_planner.patching import FAKE_TENSOR_LOGGER, patched, quiet_loggers
-from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn
+from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn, values_formatted
 from fsdp_planner.runtime.fake_build import FakeModel, build_fake
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import OPTIMIZERS, GradientSync, Optimizer, ZeroGrad
@@ -394,6 +394,7 @@ class LiveBytes(TorchDispatchMode):
         # is undone however entering or leaving ends (``patching.py``).
         with contextlib.ExitStack() as stack:
             stack.enter_context(patched(torch.UntypedStorage, "resize_", self._counting_resize()))
+            stack.enter_context(values_formatted())  # (a data-dependent scalar index, as the trace reads it)
             super().__enter__()
             stack.push(lambda *exc: super(LiveBytes, self).__exit__(*exc))
             self._undo = stack.pop_all()

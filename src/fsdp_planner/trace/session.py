@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_planner.attention import GpuAttention
 from fsdp_planner.norms import fused_rms_norm_everywhere
-from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn, capacity
+from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn, capacity, values_formatted
 from fsdp_planner.trace.failures import mark_loss
 from fsdp_planner.trace.full_precision import full_precision_casts
 from fsdp_planner.trace.hooks import ModuleHooks
@@ -174,7 +174,8 @@ class TraceSession:
     def _modes(self) -> Iterator[None]:
         """Step 4 of the module docstring."""
         with self.fake_mode or contextlib.nullcontext(), GpuAttention(), fused_rms_norm_everywhere(), self.ops, \
-                saved_tensor_hooks(self.slot), capacity(self.request.routing), self.own.installed():
+                saved_tensor_hooks(self.slot), capacity(self.request.routing), values_formatted(), \
+                self.own.installed():
             yield
 
     def _step(self) -> set[int]:
