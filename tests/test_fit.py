@@ -404,6 +404,21 @@ def test_fit_sequence_stops_at_learned_positions(capsys):
     assert "at each sequence length tried" in out and "at each batch tried" not in out
 
 
+@pytest.mark.integration
+def test_fit_sequence_takes_learned_positions_that_are_no_multiple_of_its_step(capsys, tmp_path):
+    """Whisper's decoder has 448 learned positions, which the search rounded down to its step (384) and called
+    its own bound: the default sequence, 448, fitted and was answered as not tried (a trial's whisper-medium).
+    The tiny one's 24 positions, searched in steps of 16 from 16 (3 s)."""
+    from test_hf_models import TINY
+
+    config = tmp_path / "whisper.json"
+    config.write_text(json.dumps(TINY["tiny-whisper"]))
+    doc = run_json(capsys, "fit", f"hf:{config}", "--cluster", "h100:2", "--find", "seq", "--seq", "16")
+    assert doc["seq"]["longest_without_offload"] == doc["seq"]["cap"] == 24
+    assert main(["fit", f"hf:{config}", "--cluster", "h100:2", "--find", "seq", "--seq", "16", "--quiet"]) == 0
+    assert "24 (the model's 24 learned positions (model.decoder.embed_positions)" in capsys.readouterr().out
+
+
 OWN_POSITIONS = """
 import torch
 import torch.nn as nn

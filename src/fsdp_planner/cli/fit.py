@@ -291,13 +291,13 @@ def _longest_seq(request: FitRequest, points: Points) -> tuple[dict[str, Any], l
     learned positions."""
     b, seq = request.batch, request.seq
     assert seq is not None
-    cap = min(MAX_SEQ, MAX_TOKENS // b)
-    limit = points.seq_limit()
-    if limit is not None and limit[1] < cap:
-        cap = limit[1]
     split = chunked_step(b, request.model.loss_chunks)  # (sequences whose tokens split into the loss's chunks)
     step = math.lcm(min(SEQ_STEP, 1 << (seq.bit_length() - 1)), split)
-    cap = cap // step * step
+    cap = min(MAX_SEQ, MAX_TOKENS // b) // step * step
+    limit = points.seq_limit()
+    if limit is not None and limit[1] < cap:  # the model's own bound, tried as it is (Whisper's 448 decoder
+        # positions were rounded down to 384, which fit, and said as the search's bound)
+        cap = limit[1] // split * split
     at = lambda s: (b, s, 1)  # noqa: E731
     start = min(-(-seq // split) * split, cap)  # (from the sequence given, or the first after it that splits)
     failed: dict[int, str] = {}  # longer sequences the model's code refuses (a position table of its own)
