@@ -182,3 +182,75 @@ def test_a_config_transformers_cannot_build_from_is_said_in_one_line(tmp_path, c
     assert err.startswith("error: transformers could not build its dbrx model from this config (AttributeError: ")
     assert "rope_theta" in err
 
+
+
+RESNET = {"architectures": ["ResNetForImageClassification"], "model_type": "resnet", "num_channels": 3,
+          "embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1], "layer_type": "basic", "num_labels": 10}
+
+
+def test_a_cnn_config_without_an_image_size_plans_at_imagenet_s(tmp_path, capsys):
+    """ResNet's config leaves the resolution to its preprocessor: planning it raised AttributeError 'image_size'
+    (a trial's microsoft/resnet-50), with no way round it. It is planned at 224x224 and says so; an image_size in
+    the file is taken."""
+    model = _config(tmp_path, "resnet", RESNET)
+    pixels = load_model(ModelSpec(model, batch_size=2), meta=True).example_inputs["pixel_values"]
+    assert pixels.shape == (2, 3, 224, 224)
+    assert main(["plan", model, "--cluster", "h100:8", "--policy", "titan"]) == 0
+    err = capsys.readouterr().err
+    assert "the resnet config gives no image size (its preprocessor does): planned at 224x224" in err
+    sized = _config(tmp_path, "resnet32", {**RESNET, "image_size": 32})
+    assert load_model(ModelSpec(sized, batch_size=2), meta=True).example_inputs["pixel_values"].shape == (2, 3, 32, 32)
+    assert main(["plan", sized, "--cluster", "h100:8", "--policy", "titan"]) == 0
+    assert "gives no image size" not in capsys.readouterr().err
+
+
+ZAMBA2 = {"model_type": "zamba2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 4, "attention_head_dim": 16,
+          "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_ngroups": 1, "mamba_headdim": 16,
+          "n_mamba_heads": 8, "num_mem_blocks": 1, "use_shared_attention_adapter": False, "adapter_rank": 8,
+          "use_mem_rope": True, "max_position_embeddings": 4096, "hybrid_layer_ids": [2, 5],
+          "layers_block_type": ["mamba", "mamba", "hybrid", "mamba", "mamba", "hybrid", "mamba", "mamba"],
+          "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def test_a_hybrid_layer_holding_a_mamba_layer_leaves_no_plain_mamba_layer_to_the_root(tmp_path):
+    """Zamba2's hybrid layers each wrap a Mamba layer of the class stacked between them: that class was taken for a
+    piece of the hybrid block, and the module and titan policies left the 32 plain Mamba layers of Zamba2-1.2B (75%
+    of its params) to the root (a trial). Both classes are blocks, as transformers' _no_split_modules says, and
+    the blocks are the stack's layers, never a layer inside one."""
+    from fsdp_planner.planners.classic import ModuleWrapPolicy, TorchtitanPolicy
+    from fsdp_planner.service.tracing import trace_spec
+
+    tr = trace_spec(ModelSpec(_config(tmp_path, "zamba2", ZAMBA2), seq_len=32))
+    assert set(tr.index.checkpoint_block_classes) == {"Zamba2HybridLayer", "Zamba2MambaDecoderLayer"}
+    assert tr.index.block_instances == tuple(f"model.layers.{i}" for i in range(8))
+    titan = TorchtitanPolicy().plan(tr)
+    # (the hybrid layers share one attention block: its params go with the first layer that holds it)
+    assert [g.modules[0] for g in titan.inner_groups][1:9] == [f"model.layers.{i}" for i in range(8)]
+    wrapped = {m for g in ModuleWrapPolicy().plan(tr).inner_groups for m in g.modules}
+    assert {f"model.layers.{i}" for i in range(8)} | {"model.layers.2.mamba_decoder"} <= wrapped  # (as Accelerate)
+
+
+SWITCH = {"model_type": "switch_transformers", "vocab_size": 256, "d_model": 32, "d_kv": 8, "d_ff": 64,
+          "expert_capacity": 64, "num_layers": 2, "num_sparse_encoder_layers": 1, "num_decoder_layers": 2,
+          "num_sparse_decoder_layers": 1, "num_heads": 4, "num_experts": 4, "router_bias": False,
+          "router_jitter_noise": 0.0, "router_dtype": "float32", "relative_attention_num_buckets": 8,
+          "relative_attention_max_distance": 16, "dropout_rate": 0.0, "is_encoder_decoder": True,
+          "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}
+
+
+def test_experts_looked_up_by_a_formatted_index_trace_and_their_skips_are_found(tmp_path, capsys):
+    """Switch Transformers (and NLLB-MoE) look each hit expert up by name, ``self[f"expert_{idx[0]}"]``, with an
+    index from ``nonzero``: torch formats a meta or fake scalar as its repr, so the key was "expert_tensor(...)"
+    and planning failed with a KeyError that blamed the factory (a trial). The index formats as the stand-in's
+    value. Their loop calls only the experts hit, so a rank whose batch routes an expert nothing reduce-scatters
+    fewer grads than its peers (2 gloo ranks aborted in a reduce-scatter): check says so, as it does for a guard
+    on an expert's tokens."""
+    model = _config(tmp_path, "switch", SWITCH)
+    assert main(["plan", model, "--cluster", "h100:8", "--policy", "titan", "--seq", "32"]) == 0
+    err = capsys.readouterr().err
+    assert "aten._local_scalar_dense (.item(), bool(), int()) in 'encoder.block.1.layer.1.mlp.experts'" in err
+    assert main(["check", model, "--policy", "titan", "--seq", "32", "--json"]) == 1
+    (skips,) = [f for f in json.loads(capsys.readouterr().out) if f["code"] == "routing-skips"]
+    assert skips["module"] == "encoder.block.1.layer.1.mlp.experts.expert_3"
+    assert "decoder.block.1.layer.2.mlp.experts.expert_3" in skips["message"]
