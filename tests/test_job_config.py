@@ -948,6 +948,18 @@ def test_accelerate_misspelled_top_level_key_is_an_error(tmp_path, text, meant):
         read_config(ACCELERATE, str(accel(tmp_path, text)))
 
 
+def test_accelerate_keys_that_are_no_strings_are_said_as_written(tmp_path):
+    """YAML reads ``5:``, ``true:`` and ``~:`` as a number, a bool and null: under fsdp_config such a key was an
+    internal error (TypeError in the misspelling check), at the top level a note naming "ru" for true, "" for 5
+    (the quotes stripped off a string's JSON, here off none); a long key lost its closing parenthesis."""
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, "true: x\n~: y\n5: z\n1.5: w\nfsdp_config:\n  fsdp_version: "
+                                                      "2\n  7: x\n  false: y\n" + "  " + "k" * 213 + ": 1\n")))
+    said = [n.split(" is not read")[0] for n in cfg.notes if " is not read" in n]
+    assert said[:4] == ["true", "null", "5", "1.5"]
+    assert said[4:6] == ["fsdp_config.7", "fsdp_config.false"]
+    assert said[6].startswith("fsdp_config.kkk") and said[6].endswith("(213 characters)")
+
+
 def test_accelerate_fsdp2_size_based_wrap_says_its_rule(tmp_path):
     """Accelerate's FSDP2 wraps by a module's whole size, containers included (a ModuleList of blocks makes
     fully_shard raise); simulated with FSDP1's rule, without a word before (a new user's trial)."""

@@ -314,6 +314,13 @@ def shown_json(value: Any) -> str:
         return cut_short(_BOUNDED.repr(value))
 
 
+def shown_key(value: Any) -> str:
+    """A name from a file (a key, a function's name) as ``shown_json`` says it, without a string's quotes: a YAML
+    key that is no string (``5``, ``true``, ``null``) as the file spells it (stripping the quotes off those, and off
+    a name cut short, lost its first and last characters: "ru is not read")."""
+    return cut_short(json.dumps(value)[1:-1]) if isinstance(value, str) else shown_json(value)
+
+
 def _not_json(value: Any) -> Any:
     raise TypeError(type(value).__name__)
 

@@ -32,7 +32,7 @@ from fsdp_planner.configs.torchtitan_registry import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.limits import MAX_BATCH, MAX_EP_DEGREE, MAX_SEQ
-from fsdp_planner.userfiles import MAX_CONFIG_BYTES, parse_yaml, read_text, shown_json
+from fsdp_planner.userfiles import MAX_CONFIG_BYTES, parse_yaml, read_text, shown_json, shown_key
 
 TORCHTITAN, ACCELERATE = "torchtitan", "accelerate"
 NO_WRAP_NUMEL = 10**15  # NO_WRAP: no module reaches it, so the size policy leaves every param to the root
@@ -299,7 +299,7 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     near = [*sections, "loss"] if cfg.registry else sections  # (a registry job's loss, read before: the job's)
     for name in data:
         if name not in sections:
-            shown = f"[{shown_json(name)[1:-1]}]"
+            shown = f"[{shown_key(name)}]"
             close = difflib.get_close_matches(name, near, n=1, cutoff=0.8) if len(name) <= 100 else []
             if close:  # (a registry job's Trainer.Config field, or a TOML table: torchtitan itself refuses it)
                 raise PlannerError(f"{cfg.kind} config '{cfg.path}': {shown} is not a section of the job (did you "
@@ -353,11 +353,13 @@ def _components(cfg: JobConfig, value: Any) -> list[str]:
     return items
 
 
-def _unknown_key(cfg: JobConfig, section: str, key: str, known: set[str]) -> None:
+def _unknown_key(cfg: JobConfig, section: str, key: object, known: set[str]) -> None:
     """A key ``section`` (``[training]``, ``fsdp_config``) does not have: a note, or, a letter or so from a key it
-    has, an error (the misspelled setting would stay at its default, and the verdict be about another job)."""
-    shown = f"{section.strip('[]')}.{shown_json(key)[1:-1]}"
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8) if len(key) <= 100 else []
+    has, an error (the misspelled setting would stay at its default, and the verdict be about another job). A YAML
+    key may be no string (``5:``, ``true:``, ``~:``): said as the file spells it."""
+    shown = f"{section.strip('[]')}.{shown_key(key)}"
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8) \
+        if isinstance(key, str) and len(key) <= 100 else []
     if close:
         raise PlannerError(f"{cfg.kind} config '{cfg.path}': {shown} is not a key of {section} (did you mean "
                            f"{close[0]}?): as written, the setting would stay at its default")
@@ -395,7 +397,7 @@ def _titan_float8(cfg: JobConfig, data: dict[str, Any]) -> None:
         return
     for key in table:
         if key not in FLOAT8_KEYS:
-            cfg.notes.append(f"{section}.{shown_json(key)[1:-1]} is not read: fsdp-planner does not know it")
+            cfg.notes.append(f"{section}.{shown_key(key)} is not read: fsdp-planner does not know it")
     # the converter's defaults: the registry's Float8LinearConverter.Config rowwise and no filter (b5bcd76's
     # components/quantization/float8.py), the TOML era's [float8] tensorwise and the output head filtered
     recipe = table.get("recipe_name") or ("rowwise" if cfg.registry else "tensorwise")
@@ -648,10 +650,10 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
             close = difflib.get_close_matches(name, sorted(ACCELERATE_TOP_KEYS | ACCELERATE_IGNORED), n=1,
                                               cutoff=0.8) if isinstance(name, str) and len(name) <= 100 else []
             if close and name != "fp8_config":  # a misspelled setting would stay at its default: another job
-                raise PlannerError(f"accelerate config '{cfg.path}': {shown_json(name)[1:-1]} is not a key of the "
+                raise PlannerError(f"accelerate config '{cfg.path}': {shown_key(name)} is not a key of the "
                                    f"config (did you mean {close[0]}?): as written, the setting would stay at its "
                                    "default")
-            cfg.notes.append(f"{shown_json(name)[1:-1]} is not read: " + (
+            cfg.notes.append(f"{shown_key(name)} is not read: " + (
                 "the job is simulated without float8 (--float8 plans torchao's)" if name == "fp8_config" else
                 "fsdp-planner does not know it"))
     for name in fsdp:
@@ -720,7 +722,7 @@ def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
         # (before the sizes' product: a misspelled size is said as such, not as a product short of the ranks)
         if name in ACCELERATE_PARALLELISM_KEYS or name in ACCELERATE_PARALLELISM_OPTIONS:
             continue
-        said = shown_json(name)[1:-1]
+        said = shown_key(name)
         known = f"parallelism_config_{name}" if f"parallelism_config_{name}" in ACCELERATE_PARALLELISM_KEYS else None
         if not known:
             _unknown_key(cfg, "parallelism_config", name, ACCELERATE_PARALLELISM_KEYS)
@@ -753,7 +755,7 @@ def _check_parallelism_size(cfg: JobConfig, par: dict[str, Any]) -> None:
     if cfg.world and total != 1 and total != cfg.world:
         product = " x ".join(f"{d}_size {v}" for d, v in sizes.items())
         # a key no size reads (an unprefixed tp_size, said in a note) is why, often: name it here (a review)
-        unread = [shown_json(k)[1:-1] for k in par
+        unread = [shown_key(k) for k in par
                   if k not in ACCELERATE_PARALLELISM_KEYS and k not in ACCELERATE_PARALLELISM_OPTIONS]
         why = f" ({', '.join(unread)} not read: the sizes' keys are parallelism_config_<dim>_size)" if unread else ""
         raise PlannerError(f"accelerate config '{cfg.path}': parallelism_config's {product} make {total} ranks, and "

@@ -26,7 +26,7 @@ from typing import Any
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short
 from fsdp_planner.limits import MAX_LOSS_CHUNKS, MAX_SEQ, MAX_TOKENS
-from fsdp_planner.userfiles import MAX_CONFIG_BYTES, read_text, shown_json
+from fsdp_planner.userfiles import MAX_CONFIG_BYTES, read_text, shown_json, shown_key
 
 # torchtitan's model flavours that are fsdp-planner's built-in models or shipped transformers configs (the same
 # architecture numbers: torchtitan's deepseek_v3 "671B" flavour, models/deepseek_v3/__init__.py's _671b, is
@@ -411,7 +411,7 @@ def _job(source: Source, name: str, label: str, depth: int, notes: list[str],
         close = difflib.get_close_matches(name, names, n=3)
         ordered = [*close, *(n for n in names if n not in close)]
         known = ", ".join(ordered[:12]) + (f" and {len(ordered) - 12} more" if len(ordered) > 12 else "") or "none"
-        raise PlannerError(f"{label}: the file has no function {shown_json(name)[1:-1]} (its functions"
+        raise PlannerError(f"{label}: the file has no function {shown_key(name)} (its functions"
                            f"{', closest first' if close else ''}: {known})")
     if depth > MAX_DEPTH:
         raise PlannerError(f"{label}: its jobs build on each other more than {MAX_DEPTH} deep")
@@ -881,7 +881,7 @@ def _loss(value: Any, notes: list[str], label: str) -> int | None:
         return _chunks(value, notes, label)
     shown = value.name if isinstance(value, Call) else value.source if isinstance(value, Unread) else \
         cut_short(str(value))
-    notes.append(f"loss = {shown_json(shown)[1:-1]} is simulated as torchtitan's CrossEntropyLoss over the whole "
+    notes.append(f"loss = {shown_key(shown)} is simulated as torchtitan's CrossEntropyLoss over the whole "
                  "sequence")
     return None
 
@@ -925,7 +925,7 @@ def _chunks(value: Call, notes: list[str], label: str) -> int | None:
     inner = value.fields.get("loss_fn")
     if inner is not None and not (isinstance(inner, Call) and inner.kind == "CrossEntropyLoss"):
         shown = inner.name if isinstance(inner, Call) else getattr(inner, "source", cut_short(str(inner)))
-        notes.append(f"loss = ChunkedLossWrapper's loss_fn = {shown_json(shown)[1:-1]} is simulated as its default, "
+        notes.append(f"loss = ChunkedLossWrapper's loss_fn = {shown_key(shown)} is simulated as its default, "
                      "torchtitan's CrossEntropyLoss, in the chunks")
     chunks = value.fields.get("num_chunks", DEFAULT_LOSS_CHUNKS)
     if isinstance(chunks, Unread | Call):
