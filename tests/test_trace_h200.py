@@ -184,6 +184,31 @@ def test_h200_checkpointed_trace_counts_the_recomputation() -> None:
     assert ratio["llama-1b-ac"] == pytest.approx(ratio["llama-1b"], rel=0.03)
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize(("trace", "plan", "batch", "says"), [
+    ("llama-1b-ac", "llama-1b", 2, "runs 48 attention kernels where the plan's runs 32 attention calls"),
+    ("llama-1b", "llama-1b-ac", 2, "runs 339 matmul kernels where the plan's runs 435 matmuls"),
+    ("llama-1b", "llama-1b", 4, r"ran at 16\d% of the H200-SXM-141GB's peak as the plan counts their FLOPs"),
+])
+def test_h200_trace_of_another_job_is_refused(trace: str, plan: str, batch: int, says: str) -> None:
+    """A GPU trace was checked for its FSDP ranges and all-gathers only: a checkpointed job's trace fitted to the
+    plan without checkpointing (or the reverse) wrote a cluster 16-22% off, and a trace of batch 2 fitted at batch
+    4 a matmul efficiency of 1.0 at 1.67x the H200's peak, each without a word (a trial)."""
+    from fsdp_planner.calibrate.trace_fit import fit_trace
+    from fsdp_planner.errors import PlannerError
+    from fsdp_planner.fsdp2.plan import Plan
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.options import SimOptions
+
+    options = SimOptions.named("bf16-mixed")
+    tr = trace_spec(ModelSpec(str(GPU_DATA.parent / "gpu_models.py") + ":llama_1b", batch_size=batch),
+                    options.precision, False, lambda line: None)
+    held = Plan.from_json((GPU_DATA / f"{plan}.plan.json").read_text())
+    with pytest.raises(PlannerError, match=says):
+        fit_trace(tr, held, [read_trace(GPU_DATA / f"{trace}.trace.json.gz")], parse_cluster("h200:1"), options)
+
+
 LLAMA_1B_MODEL = str(GPU_DATA.parent / "gpu_models.py") + ":llama_1b"
 
 

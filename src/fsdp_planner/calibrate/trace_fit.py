@@ -415,6 +415,9 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
     before = simulate(trace, plan, base, options, timeline=False)  # the plan on the base cluster: checked and shown
     check_matches(ops, plan, traces, before)
     cluster = fit_compute(ops, base, measured_classes(steps), options)
+    if devices != {"cpu"} and options.precision.compute_bytes == 2:  # (fp32 matmuls run on TF32: 4-8x past the
+        # fp32 peak, which the fit raises, and says so)
+        _check_peaks(cluster, base, traces)
     # a TP job's data-parallel groups take one rank of each TP group: over several nodes, strided
     strided = frozenset({world // plan.tp_degree}) if plan.tp_degree > 1 and base.nodes > 1 else frozenset()
     cluster = fit_collectives(cluster, steps, strided)
@@ -423,6 +426,24 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
     cluster = dataclasses.replace(cluster, name=name, compute=dataclasses.replace(
         cluster.compute, source=f"calibrate --trace ({len(traces)} trace(s))"))
     return cluster, describe_fit(trace, plan, ops, steps, base, cluster, options, before)
+
+
+PAST_PEAK = 1.05  # a GPU trace's matmuls or attention fitted faster than the base GPU's datasheet peak by more than
+# this: no kernel runs past the peak, so the plan counts more FLOPs than the traced step ran (a larger batch)
+
+
+def _check_peaks(fitted: Cluster, base: Cluster, traces: list[MeasuredTrace]) -> None:
+    """Refuse a GPU fit of a 16-bit job whose FLOP-bound kernels ran past the base GPU's peak (a fit of more than 1
+    raises the peak, right for a CPU's unknown one and fp32 on TF32): a trace of a smaller workload than the one
+    given wrote a matmul efficiency of 1.0 at 1.67x the base's peak, without a word (a trial's --batch 4 beside a
+    trace of batch 2)."""
+    up = fitted.gpu.peak_bf16_flops / base.gpu.peak_bf16_flops
+    if up > PAST_PEAK:
+        raise PlannerError(f"the traces' matmuls or attention ran at {up:.0%} of the {base.gpu.name}'s peak as the "
+                           f"plan counts their FLOPs, which no GPU runs past: "
+                           f"{shown_json(Path(traces[0].path).name)} is of a smaller workload than the one given "
+                           "(give the --batch, --seq and --precision the traced job ran with), or --base is another "
+                           "GPU than it ran on")
 
 
 # a CPU step's matmul ops (and their FLOPs) against the plan's, checkpointing's recomputation counted: one aten op
@@ -439,12 +460,13 @@ def check_matches(ops: RankOps, plan: Plan, traces: list[MeasuredTrace], report:
     distributed job's steps with none at all among them, against the plan's. A fit to a foreign trace writes a
     cluster whose figures are wrong for every plan; a comparison with one, gaps that are not the model's."""
     is_op = np.asarray([e.is_op for e in ops.trace.events])
-    is_matmul = is_op & (simulated_classes(ops.trace) == 0)
-    matmuls = int(ops.runs[is_matmul].sum())
+    classes = simulated_classes(ops.trace)
+    is_matmul = is_op & (classes == 0)
+    counts = (int(ops.runs[is_matmul].sum()), int(ops.runs[is_op & (classes == 1)].sum()))
     flops = float((ops.trace.index.op_flops * ops.runs)[is_matmul].sum())
     for t in traces:
         for i, step in enumerate(t.steps):
-            problems = _step_problems(step, t, plan, report, matmuls, flops)
+            problems = _step_problems(step, t, plan, report, counts, flops)
             if problems:
                 raise PlannerError(f"the traces are not of the job given: {'; '.join(problems)} (step {i + 1} of "
                                    f"{shown_json(Path(t.path).name)}): give the --model, --plan or --policy, "
@@ -452,11 +474,12 @@ def check_matches(ops: RankOps, plan: Plan, traces: list[MeasuredTrace], report:
                                    "forward and backward a profiled step, no micro-batches)")
 
 
-def _step_problems(step: Step, t: MeasuredTrace, plan: Plan, report: StepReport, matmuls: int, flops: float
-                   ) -> list[str]:
-    """``check_matches`` of one step."""
-    measured = step.op_counts.get(OpClass.MATMUL, 0)
-    problems = []
+def _step_problems(step: Step, t: MeasuredTrace, plan: Plan, report: StepReport, counts: tuple[int, int],
+                   flops: float) -> list[str]:
+    """``check_matches`` of one step (``counts``: the plan's matmuls and attention calls a step, recomputation's
+    included)."""
+    measured, matmuls = step.op_counts.get(OpClass.MATMUL, 0), counts[0]
+    problems = [] if t.device == "cpu" else _kernel_problems(step, counts)
     if not sum(step.op_counts.values()):
         problems.append("its steps hold no ops")
     mesh = plan.layout(max(1, t.world))
@@ -478,6 +501,20 @@ def _step_problems(step: Step, t: MeasuredTrace, plan: Plan, report: StepReport,
         if (len(gathers), nbytes) != (report.all_gathers, report.all_gather_bytes):
             problems.append(f"it all-gathers {len(gathers):,} times a step ({fmt_bytes(nbytes)}) where the plan "
                             f"does {report.all_gathers:,} times ({fmt_bytes(report.all_gather_bytes)})")
+    return problems
+
+
+def _kernel_problems(step: Step, counts: tuple[int, int]) -> list[str]:
+    """A GPU step's kernels against the plan's ops: a matmul runs one kernel or more (cuDNN's convolutions several),
+    never far fewer, and an attention call one each way; a checkpointed job's trace fitted to a plan without
+    checkpointing (435 matmul kernels for 339 matmuls, 48 attention kernels for 32) wrote figures 16-22% off."""
+    matmuls, attention = step.op_counts.get(OpClass.MATMUL, 0), step.op_counts.get(OpClass.ATTENTION, 0)
+    problems = []
+    if matmuls < MATMUL_RATIO[0] * counts[0]:
+        problems.append(f"a step of it runs {matmuls:,} matmul kernels where the plan's runs {counts[0]:,} matmuls")
+    if attention and counts[1] and not MATMUL_RATIO[0] <= attention / counts[1] <= MATMUL_RATIO[1]:
+        problems.append(f"a step of it runs {attention:,} attention kernels where the plan's runs {counts[1]:,} "
+                        "attention calls")
     return problems
 
 
