@@ -113,6 +113,12 @@ def _set(dotted: str, value: Any) -> Callable[[dict[str, Any]], None]:
     ("tables", {"all_gather": [[1, 1e-4], [2, 1e9]]}, "field 'tables.all_gather.1.seconds' is 1e9 s, outside "
                                                        "0..1000 s (0 excluded)"),
     ("fits", {"all_gather": {"1": [1e-5, 3e11]}}, "has a fit for 1 ranks; fits are for 2 to 1,000,000 ranks"),
+    # a wrong type is no "none" (the fitted lines were dropped without a word: a trial)
+    ("fits", 0, "to {\"RANKS\": [latency, bandwidth]}, e.g. {\"all_gather\": {\"8\": [2e-05, 3e11]}}; got 0"),
+    ("fits", None, "e.g. {\"all_gather\": {\"8\": [2e-05, 3e11]}}; got null"),
+    ("fits", [], "e.g. {\"all_gather\": {\"8\": [2e-05, 3e11]}}; got []"),
+    ("fits", {"all_gather": {}}, "e.g. {\"all_gather\": {\"8\": [2e-05, 3e11]}}; got {\"all_gather\": {}}"),
+    ("tables", [], "field 'tables' must map each collective to [[bytes, seconds], ...] (whole bytes); got []"),
     # a typo leaves a default in place silently unless unknown fields are refused
     ("ring_overhed", 1.9, "has an unknown field 'ring_overhed' (a typo?)"),
     ("inter.ring_overhed", 1.9, "has an unknown field 'inter.ring_overhed' (a typo?)"),

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.collectives import COLLECTIVES
-from fsdp_planner.userfiles import parse_json, read_text, write_atomic
+from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atomic
 
 CLUSTER_VERSION = 1
 # Sanity bounds on what a cluster may describe: a world far beyond any real job is a typo (and big enough
@@ -258,8 +258,9 @@ class Cluster:
         _check_known_keys(d, where)
         # the sections read in this order, so that a file with several faults is told the same first one
         gpu, intra, inter = _gpu_from(d, where), _link_from(d, "intra", where), _link_from(d, "inter", where)
-        fits, overhead = _fits_from(d.get("fits") or {}, where), _overhead_from(d, where)
-        tables, compute, engine = _tables_from(d.get("tables") or {}, where), _compute_from(d, where), \
+        # (absent: none; null, 0 or [] is a file written wrong, refused as any wrong type is, not read as none)
+        fits, overhead = _fits_from(d.get("fits", {}), where), _overhead_from(d, where)
+        tables, compute, engine = _tables_from(d.get("tables", {}), where), _compute_from(d, where), \
             _engine_from(d, where)
         return cls(
             name=_get(d, "name", where),
@@ -380,8 +381,9 @@ def _fits_from(raw: Any, where: str) -> Fits:
     """``{"all_gather": {"8": [latency, bandwidth]}}``: types checked here, values by ``_check_fits``."""
     shape = (f"the {where} field 'fits' must map each collective to {{\"RANKS\": [latency, bandwidth]}}, "
              "e.g. {\"all_gather\": {\"8\": [2e-05, 3e11]}}")
-    if not isinstance(raw, dict) or not all(isinstance(t, dict) for t in raw.values()):
-        raise PlannerError(shape)
+    if not isinstance(raw, dict) or not all(isinstance(t, dict) and t for t in raw.values()):  # ({} under a
+        # collective: no line, which dropped its kind without a word)
+        raise PlannerError(f"{shape}; got {shown_json(raw)}")
     fits: Fits = {}
     for kind, table in raw.items():
         for n, v in table.items():
@@ -396,7 +398,7 @@ def _tables_from(raw: Any, where: str) -> Tables:
     """``{"all_gather": [[bytes, seconds], ...]}``: types checked here, values by ``_check_tables``."""
     shape = f"the {where} field 'tables' must map each collective to [[bytes, seconds], ...] (whole bytes)"
     if not isinstance(raw, dict) or not all(isinstance(rows, list) for rows in raw.values()):
-        raise PlannerError(shape)
+        raise PlannerError(f"{shape}; got {shown_json(raw)}")
     tables: Tables = {}
     for kind, rows in raw.items():
         for row in rows:
