@@ -498,6 +498,17 @@ def test_an_exported_job_reads_back_as_its_plan_and_a_job_without_it_as_torchtit
     bad.write_text(re.sub(r"FSDP_PLANNER_PLAN: str = .*", "FSDP_PLANNER_PLAN: str = open('x').read()", source))
     with pytest.raises(PlannerError, match="FSDP_PLANNER_PLAN is not a string literal"):
         read_config(TORCHTITAN, f"{bad}:fsdp_planner_job")
+    # bound again (Python applies the last, the reader took the first: a trial's simulated another plan), or
+    # elsewhere than at the top level
+    for tail, says in (("\nFSDP_PLANNER_PLAN = '{}'\n", "is bound 2 times"),
+                       ("\nfrom os import sep as FSDP_PLANNER_PLAN\n", "is bound 2 times"),
+                       ("\ndef f():\n    global FSDP_PLANNER_PLAN\n", "is bound 2 times")):
+        bad.write_text(source + tail)
+        with pytest.raises(PlannerError, match=f"FSDP_PLANNER_PLAN {says}, and fsdp-planner's export binds it once"):
+            read_config(TORCHTITAN, f"{bad}:fsdp_planner_job")
+    bad.write_text(re.sub(r"FSDP_PLANNER_PLAN: str = ", "if True:\n    FSDP_PLANNER_PLAN: str = ", source))
+    with pytest.raises(PlannerError, match="FSDP_PLANNER_PLAN is bound elsewhere than in one top-level assignment"):
+        read_config(TORCHTITAN, f"{bad}:fsdp_planner_job")
 
 
 

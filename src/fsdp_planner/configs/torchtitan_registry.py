@@ -951,7 +951,13 @@ def _chunks(value: Call, notes: list[str], label: str) -> int | None:
 
 def _exported_plan(tree: ast.Module, label: str) -> str | None:
     """The plan JSON an fsdp-planner export of the job holds (``PLAN_NAME = '...'`` at the top level, a string
-    literal read as data), None where the file has none."""
+    literal read as data), None where the file has none. Bound once, as the export binds it: a second binding
+    (another assignment, ``+=``, an import as the name, a function's ``global``) is refused, since Python applies
+    the last and the first was read (a trial's second assignment simulated a plan the job does not apply)."""
+    bindings = sum(_binds(n, PLAN_NAME) for n in ast.walk(tree))
+    if bindings > 1:
+        raise PlannerError(f"{label}: {PLAN_NAME} is bound {bindings} times, and fsdp-planner's export binds it "
+                           "once (Python applies the last, the reader the first): export the plan again")
     for node in tree.body:
         target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
             node.target if isinstance(node, ast.AnnAssign) else None
@@ -961,7 +967,22 @@ def _exported_plan(tree: ast.Module, label: str) -> str | None:
                 raise PlannerError(f"{label}: {PLAN_NAME} is not a string literal (fsdp-planner's export writes the "
                                    "plan's JSON there): export the plan again")
             return value.value
+    if bindings:  # (inside an if, a loop or a function: what the job applies is not read)
+        raise PlannerError(f"{label}: {PLAN_NAME} is bound elsewhere than in one top-level assignment, where "
+                           "fsdp-planner's export writes it: export the plan again")
     return None
+
+
+def _binds(node: ast.AST, name: str) -> bool:
+    """Whether ``node`` binds ``name``: an assignment to it (``+=`` too), an import as it, a ``global`` of it, a
+    function or class of that name."""
+    if isinstance(node, ast.Name):
+        return node.id == name and isinstance(node.ctx, ast.Store)
+    if isinstance(node, ast.alias):
+        return (node.asname or node.name) == name
+    if isinstance(node, ast.Global | ast.Nonlocal):
+        return name in node.names
+    return isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == name
 
 
 PLAN_NAME = "FSDP_PLANNER_PLAN"  # the export's constant holding its plan (``apply/torchtitan_parallelize.py``)
