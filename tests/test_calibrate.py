@@ -175,6 +175,37 @@ def test_a_log_cut_short_is_fitted_on_its_whole_rows_with_a_note(tmp_path: Path)
     assert len(notes) == 1
 
 
+def test_measurements_whose_data_check_failed_are_left_out_with_a_note(tmp_path: Path) -> None:
+    """nccl-tests' #wrong counts elements that arrived wrong: such measurements were left out without a word (a
+    trial's log with every in-place #wrong at 5 fitted 30.0 us / 348 GB/s beside 29.8 / 346, silently)."""
+    lines = []
+    for line in AG8.read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 13 and fields[0].isdigit():
+            line = line[:line.rstrip().rindex(" ")] + " 5"  # the in-place #wrong
+        lines.append(line)
+    wrong = tmp_path / "wrong.log"
+    wrong.write_text("\n".join(lines) + "\n")
+    notes: list[str] = []
+    tables, _ = fit_logs([wrong, RS8], note=notes.append)
+    assert [t.failed_checks for t in tables] == [31, 0]
+    assert notes == [f"the all_gather run in {wrong} has 31 measurements whose data check failed (#wrong not 0), "
+                     "left out of the fit: a collective that delivers wrong data is a fault of the machine or the "
+                     "run, worth a look before trusting its times"]
+
+
+def test_a_log_of_more_lines_than_any_run_holds_is_refused(tmp_path: Path) -> None:
+    """Within the size bound, a 255 MiB log of short lines took 2 minutes and 1.6 GB to split (a trial): its lines
+    are counted first."""
+    from fsdp_planner.calibrate.nccl_logs import MAX_LOG_LINES
+
+    big = tmp_path / "big.log"
+    big.write_text(AG8.read_text() + "a\n" * MAX_LOG_LINES)
+    with pytest.raises(PlannerError, match=f"has {MAX_LOG_LINES + AG8.read_text().count(chr(10)):,} lines, more "
+                                           f"than the {MAX_LOG_LINES:,} a log of nccl-tests runs holds"):
+        read_nccl_tests(big)
+
+
 def _rows_up_to(path: Path, largest: int) -> str:
     """The log ``path`` cut after its row of ``largest`` bytes (the lines after it dropped)."""
     out = []

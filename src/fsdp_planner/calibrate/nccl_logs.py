@@ -62,6 +62,7 @@ _MIN_SIZE = 1  # rows with size 0 (count rounded down to 0 per rank) carry no in
 # and no collective takes hours; sizes stay far below a PiB. Outside these a row is a typo or a corrupt log (and
 # would break the fit's arithmetic: 1e-300 s squared is 0).
 _MIN_TIME_US, _MAX_TIME_US = 0.01, 1e10
+MAX_LOG_LINES = 1_000_000  # about 12 s of parsing on a 2-core host; a sweep of 8 B to 8 GiB is 31 rows a run
 _MAX_SIZE = 1 << 50
 _MIN_FIT_SIZES = 3  # two sizes make a line; a third checks it (and lets a hiccup be dropped)
 _WHOLE = re.compile(r"\d+", re.ASCII)
@@ -95,6 +96,12 @@ class NcclTable:
     gpu_name: str | None = None
     source: str = "<text>"
     cut_rows: int = 0  # lines that began a row but held too few fields (a log cut short mid-row): left out
+
+    @property
+    def failed_checks(self) -> int:
+        """Measurements (in- or out-of-place) whose data check failed: ``samples`` leaves them out."""
+        return sum(t is not None and t > 0 and not _wrong_ok(wrong) for r in self.rows
+                   for t, wrong in ((r.oop_time_us, r.oop_wrong), (r.ip_time_us, r.ip_wrong)))
 
     def samples(self) -> list[tuple[int, float]]:
         """(size bytes, seconds) of every valid measurement, in- and out-of-place, data check passed."""
@@ -301,6 +308,11 @@ def read_nccl_tests(
     if not p.is_file():
         raise PlannerError(f"nccl-tests log {p} does not exist")
     text = read_bytes(p, f"nccl-tests log {p}", "the output of an nccl-tests binary").decode(errors="replace")
+    lines = text.count("\n")
+    if lines > MAX_LOG_LINES:  # (a 255 MiB file of short lines took 2 minutes and 1.6 GB to split, within the size)
+        raise PlannerError(f"nccl-tests log {p} has {lines:,} lines, more than the {MAX_LOG_LINES:,} a log of "
+                           "nccl-tests runs holds (tens of rows a run): give the output of all_gather_perf or "
+                           "reduce_scatter_perf")
     tables = parse_nccl_tests(text, kind=kind, ranks=ranks, source=str(p))
     if not tables:
         raise PlannerError(
@@ -404,6 +416,11 @@ def fit_logs(
             note(f"the {t.kind} run in {t.source} has {t.cut_rows} row{'s' if t.cut_rows > 1 else ''} cut short (a "
                  f"size, then fewer fields than nccl-tests prints: a log cut mid-row?), left out: fitted on its "
                  f"{len(t.rows)} whole rows")
+        if t.failed_checks:  # (left out without a word before: a run whose data check fails is a broken one)
+            note(f"the {t.kind} run in {t.source} has {t.failed_checks} measurement"
+                 f"{'s' if t.failed_checks > 1 else ''} whose data check failed (#wrong not 0), left out of the fit: "
+                 "a collective that delivers wrong data is a fault of the machine or the run, worth a look before "
+                 "trusting its times")
     fitted = (CollectiveKind.ALL_GATHER.value, CollectiveKind.REDUCE_SCATTER.value)
     for t in tables:
         if t.kind == CollectiveKind.ALL_REDUCE.value and t.ranks >= 2:
