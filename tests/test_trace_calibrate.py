@@ -119,6 +119,17 @@ def test_damaged_traces_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "t.json").write_text('{"traceEvents": [{"name": "x')
     with pytest.raises(PlannerError, match=r"is not valid JSON \(truncated\?\): Unterminated string starting at line"):
         read_trace(tmp_path / "t.json")
+    # a kernel's args not an object (its correlation gone: the step's phases read 10% off), a key twice (the last
+    # traceEvents read): both had been read without a word (a trial)
+    data, _ = gpu_trace(steps=2)
+    next(e for e in data["traceEvents"] if e.get("cat") == "kernel")["args"] = "x"
+    with pytest.raises(PlannerError, match=r"has 1 complete event \('ph': 'X'\) without .* and 'args', where given, "
+                                           "an object\): an edited or damaged trace"):
+        _read(data, tmp_path)
+    text = json.dumps(gpu_trace(steps=2)[0])
+    (tmp_path / "twice.json").write_text(text[:-1] + ', "traceEvents": []}')
+    with pytest.raises(PlannerError, match='has the key "traceEvents" twice in one object, which no profiler writes'):
+        read_trace(tmp_path / "twice.json")
 
 
 def test_missing_file_is_one_line(tmp_path: Path) -> None:

@@ -80,9 +80,9 @@ class DuplicateKey(ValueError):
         self.key = key
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object whose keys differ: Python's reader keeps the last of a repeated key, so a plan file with two
-    "groups" would be planned from one, silently."""
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys differ (``json.loads``' ``object_pairs_hook``; ``DuplicateKey`` otherwise): Python's
+    reader keeps the last of a repeated key, so a plan file with two "groups" would be planned from one, silently."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -95,7 +95,7 @@ def parse_json(text: str, message: Callable[[str], str]) -> Any:
     """``json.loads``; on bad input, a PlannerError whose line is ``message(what is wrong)``. A key repeated in an
     object is refused: Python's reader (and transformers') would keep its last value, silently."""
     try:
-        data = json.loads(text, object_pairs_hook=_unique_keys)
+        data = json.loads(text, object_pairs_hook=unique_keys)
         if LONE_SURROGATE.search(text) and (bad := _unwritable(data)) is not None:
             detail = f"the string {bad} holds a lone surrogate escape (\\ud800 to \\udfff alone), which no " \
                 "text can hold"

@@ -46,7 +46,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, printable
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.report.against import covered
-from fsdp_planner.userfiles import check_regular_file, read_bytes
+from fsdp_planner.userfiles import DuplicateKey, check_regular_file, read_bytes, shown_json, unique_keys
 
 MAX_SHOWN_PATH = 120  # a trace's path longer than this is named by its last two parts
 MAX_TRACE_BYTES = 512 << 20  # a few steps of a large job's GPU trace are 100-500 MiB; parsed, ~10x that in memory
@@ -247,7 +247,10 @@ def parse_json_trace(raw: bytes, label: str) -> Any:
     except UnicodeDecodeError:
         raise PlannerError(f"{label} is not text: expected a torch.profiler Chrome trace (JSON)") from None
     try:
-        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
+        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant,
+                          object_pairs_hook=unique_keys)  # (two 'traceEvents': the last was read, silently)
+    except DuplicateKey as e:
+        detail = f"has the key {shown_json(e.key)} twice in one object, which no profiler writes: an edited trace"
     except json.JSONDecodeError as e:
         end = " (truncated?)" if e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string") else ""
         detail = f"is not valid JSON{end}: {e.msg.removesuffix(' at')} at line {e.lineno} column {e.colno}"
@@ -301,7 +304,8 @@ def _step_marks(raw_events: list, events: list[_Event], label: str) -> list[_Eve
     if damaged:  # (dropped, an op's time went missing from the steps, which then read as another job's)
         raise PlannerError(f"{label} has {damaged:,} complete event{'s' if damaged > 1 else ''} ('ph': 'X') without a "
                            f"name and a time a profiler writes (a string 'name', a 'ts' and a non-negative 'dur' in "
-                           f"microseconds, at most {MAX_MICROSECONDS:g}): an edited or damaged trace")
+                           f"microseconds, at most {MAX_MICROSECONDS:g}, and 'args', where given, an object): an "
+                           "edited or damaged trace")
     if len(marks) > MAX_STEPS:
         raise PlannerError(f"{label} has {len(marks):,} steps, over the {MAX_STEPS:,} read")
     overlapping = next((i for i in range(1, len(marks)) if marks[i].ts < marks[i - 1].ts + marks[i - 1].dur
@@ -329,10 +333,12 @@ def _event(e: Any) -> _Event | None:
     ts, dur, name = e.get("ts"), e.get("dur", 0), e.get("name")
     if not isinstance(name, str) or not _time(ts) or not _time(dur) or dur < 0:
         return None
-    args = e.get("args")
+    args = e.get("args", {})
+    if not isinstance(args, dict):  # (damaged: its correlation and sizes gone, it read as another op)
+        return None
     cat = e.get("cat")
     return _Event(name[:MAX_NAME], cat if isinstance(cat, str) else "", float(ts), float(dur),
-                  str(e.get("tid", ""))[:100], args if isinstance(args, dict) else {})
+                  str(e.get("tid", ""))[:100], args)
 
 
 def _time(value: Any) -> bool:
