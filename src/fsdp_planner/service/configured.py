@@ -110,21 +110,10 @@ class _Merge:
 
 def configured(kw: Keywords, cfg: JobConfig, command: str, note: Callable[[str], None],
                plan_file: bool = False, gpus_searched: bool = False) -> Keywords:
-    """``kw`` with the job the config describes, each of its notes said once, after the config is read through:
-    a config refused is one line, not notes then the error (an empty TOML's default checkpointing note came before
-    "names no model"). ``command``: the command it runs for (``simulate`` runs the config's own grouping);
-    ``plan_file``: a plan file was given (it groups too); ``gpus_searched``: the command searches the GPU count
-    (``fit --gpus auto``), so a config without one is not said to be planned for the cluster's."""
-    said: list[str] = []
-    merged = _configured(kw, cfg, command, said.append, plan_file, gpus_searched)
-    for line in said:
-        note(line)
-    return merged
-
-
-def _configured(kw: Keywords, cfg: JobConfig, command: str, note: Callable[[str], None], plan_file: bool,
-                gpus_searched: bool) -> Keywords:
-    """``configured``'s merge, its notes to ``note`` as they come."""
+    """``kw`` with the job the config describes, each of its notes said once. ``command``: the command it runs for
+    (``simulate`` runs the config's own grouping); ``plan_file``: a plan file was given (it groups too);
+    ``gpus_searched``: the command searches the GPU count (``fit --gpus auto``), so a config without one is not
+    said to be planned for the cluster's."""
     for line in cfg.notes:
         note(line)
     merge = _Merge(kw, cfg, note)
