@@ -78,6 +78,10 @@ ATTENTION_WORDS = ("scaled_dot_product", "flash", "attention", "fmha", "attn", "
 # (not "conv" alone: cuDNN's attention backward converts dQ in "cudnn::fusion::convert_dq_to_16bits", a copy)
 GPU_MATMUL_WORDS = ("gemm", "cutlass", "xmma", "cublas", "matmul", "gemv", "sm90_", "sm80_", "ampere_", "hopper_",
                     "wgmma", "convolution", "convolve", "conv1d", "conv2d", "conv3d", "conv_depthwise",
+                    # cuBLAS's nvjet kernels of every architecture (an H100's "nvjet_sm90_tst_...", a B200's sm100),
+                    # inductor's max-autotune matmul templates ("triton_tem_fused_mm_0"; flex attention's is
+                    # attention, matched first)
+                    "nvjet", "triton_tem_",
                     # mamba_ssm's scan kernels (mamba_ssm/ops/triton/ssd_*.py), which the simulator times as one op
                     # of FLOPs (``mamba_scan.py``): the matmul class of a trace's ops
                     "_chunk_scan_", "_chunk_state_", "_bmm_chunk_", "_state_passing_")
