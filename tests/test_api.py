@@ -213,6 +213,14 @@ def test_a_model_that_cannot_run_on_meta_is_traced_under_fake_tensors():
     before = {n: t.detach().clone() for n, t in model.state_dict().items()}
     plan = fp.plan(model, (torch.randn(4, 8),), cluster="h100:2", precision="fp32")
     assert plan.groups and all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    # compiled code is measured on the meta copy, where this step fails: said with what failed there; a step that
+    # fails on real tensors too is the model's own error, not blamed on a device (a review: inputs of the wrong
+    # width, compile=True, read "a tensor made on an explicit device")
+    with pytest.raises(PlannerError, match=r"^compile: what compiled code saves is measured on a meta copy of the "
+                                           r"_DeviceBound model, and its step runs on real tensors only \(.*add"):
+        fp.plan(model, (torch.randn(4, 8),), cluster="h100:2", precision="fp32", compile=True)
+    with pytest.raises(PlannerError, match=r"^tracing the _DeviceBound model failed: .*addmm.*same reduction dim"):
+        fp.plan(model, (torch.randn(4, 7),), cluster="h100:2", precision="fp32", compile=True)
     assert all(p.grad is None and p.dtype == torch.float32 for p in model.parameters())
 
 

@@ -9,6 +9,7 @@ script can plan and then train the very model it built.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from copy import deepcopy
@@ -170,13 +171,14 @@ def _check_module(model: nn.Module, inputs: Any, batch: object, seq: object, hf_
 def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
                    spec: ModelSpec, options: SimOptions, real: list[str] | None = None) -> Trace:
     """The module's step traced as the command line traces a factory's (``_step_of``): on its meta twin, or, when
-    the step cannot run on meta, the real model under fake tensors (said in ``real``)."""
-    name = type(model).__name__
+    the step cannot run on meta, the real model under fake tensors (said in ``real``), where compile cannot be
+    measured: a step that fails on real tensors too is said as the model's own error."""
+    name, on_meta = type(model).__name__, None
     with kernel(spec.attention):
         try:
             copy, meta_inputs = _on_meta(model, inputs)
-        except Exception:  # a module deepcopy cannot copy (a lock, a handle): the real model under fake tensors
-            copy = None
+        except Exception as e:  # a module deepcopy cannot copy (a lock, a handle): the real model under fake tensors
+            copy, on_meta = None, e
         try:  # the command line traces on meta: a real model's meta twin gives its figures, and leaves it untouched
             if copy is not None:
                 return _step_of(LoadedModel(name, copy, meta_inputs, _on_meta_loss(loss_fn)), spec, options)
@@ -185,21 +187,28 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
         except (SystemExit, Exception) as e:
             if copy is model:
                 raise step_failure(e, f"the {name} model") from e
+            on_meta = e
         # a step that cannot run on meta (a tensor made on an explicit device in forward): the real model under
-        # fake tensors, its grads kept (an error of the step is said once, not logged by each fake op it fails in)
-        if spec.compile or spec.compile_loss:
-            raise PlannerError(f"compile: what compiled code saves is measured on a meta copy of the model, and the "
-                               f"{name} model's step runs only on real tensors (a tensor made on an explicit device "
-                               "in its forward: make it on its input's device, e.g. device=x.device)")
-        if real is not None:
-            real.append(spec.name)
+        # fake tensors, its grads kept (an error of the step is said once, not logged by each fake op it fails in),
+        # eager
+        compiled = spec.compile or spec.compile_loss
         with _grads_kept(model), quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
             try:
-                return _step_of(LoadedModel(name, model, inputs, loss_fn), spec, options)
+                tr = _step_of(LoadedModel(name, model, inputs, loss_fn),
+                              dataclasses.replace(spec, compile=False, compile_loss=False), options)
             except PlannerError:
                 raise
             except (SystemExit, Exception) as e:
                 raise step_failure(e, f"the {name} model") from e
+        if compiled:
+            why = f"on the meta copy, {model_error(on_meta)}" if copy is not None else \
+                f"no meta copy can be made: {model_error(on_meta)}"
+            raise PlannerError(f"compile: what compiled code saves is measured on a meta copy of the {name} model, "
+                               f"and its step runs on real tensors only ({why}): a tensor made on an explicit device "
+                               "in its forward? make it on its input's device, e.g. device=x.device") from on_meta
+        if real is not None:
+            real.append(spec.name)
+        return tr
 
 
 def _step_of(lm: LoadedModel, spec: ModelSpec, options: SimOptions) -> Trace:
