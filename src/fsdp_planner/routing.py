@@ -56,7 +56,7 @@ _SPELLED = {
     "aten.nonzero": "aten.nonzero (torch.where(cond), nonzero)",
     "aten.index": "aten.index (x[mask])",
     "aten.masked_select": "aten.masked_select",
-    "aten._local_scalar_dense": "aten._local_scalar_dense (.item(), bool(), int())",
+    "aten._local_scalar_dense": "aten._local_scalar_dense (.item(), bool(), int(), a scalar formatted)",
     "aten._to_copy": "aten._to_copy (.tolist(), .cpu() of a meta tensor)",
     "aten.bincount": "aten.bincount (an expert's token count, minlength given)",
 }
@@ -80,7 +80,7 @@ class StandIn:
 
     capacity: float = DEFAULT_CAPACITY
     starved: bool = field(default_factory=lambda: _STARVED.get())  # ``starved()``: the first routed selection
-    # after each routing (the first expert's) takes nothing
+    # after each routing (the first expert's) takes nothing, or a mask of the experts hit leaves the last out
     selections: int = 0  # routed selections since the last topk
     reads: int = 0  # values read since the last topk that the stand-in answers for itself (``_value``)
     experts: int | None = None  # choices of the last topk: the experts

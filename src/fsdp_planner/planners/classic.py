@@ -17,7 +17,7 @@ from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.validity import runnable
 from fsdp_planner.planners.blocks import default_block_class, find_class_instances
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import ROOT, proper_ancestors
+from fsdp_planner.trace.tree import ROOT, outermost, proper_ancestors
 
 NO_WRAP_SHOWN = 10**12  # a size threshold from here on means "wrap nothing" (Accelerate's NO_WRAP is read as 1e15)
 
@@ -126,7 +126,7 @@ class TorchtitanPolicy:
             raise PlannerError("the model has no repeated block class for the torchtitan policy")
         block_cls = ",".join(classes)
         found = find_class_instances(trace, classes)
-        blocks = [b for b in found if not any(a in found for a in proper_ancestors(b) if a != ROOT)]
+        blocks = outermost(found)
         pre, post = self._side_modules(trace, blocks)
         subtree = trace.index.subtree_params
         post_params = set().union(*(subtree[s] for s in post)) if post else set()

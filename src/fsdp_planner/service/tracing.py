@@ -319,7 +319,7 @@ def _numbers_checked(whole: dict[str, nn.Module | tp_numerics.Unchecked], styles
 
 def routing_skips(spec: ModelSpec, tr: Trace) -> tuple[str, ...]:
     """The params that get a gradient in the traced step (the balanced-routing stand-in gives every expert
-    tokens) but none when the first expert of each routing gets no token (``routing.starved``): a model that skips
+    tokens) but none when one expert of each routing gets no token (``routing.starved``): a model that skips
     an expert without tokens (``if idx.numel() == 0: continue``) skips its params' grads on a rank whose batch
     routes it nothing. () where nothing was routed, or the starved step does not run (it is the trace's question
     only)."""

@@ -14,7 +14,7 @@ import numpy as np
 
 from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
-from fsdp_planner.trace.tree import ROOT, is_within, parent_of, proper_ancestors
+from fsdp_planner.trace.tree import ROOT, is_within, outermost, parent_of, proper_ancestors
 
 Call = tuple[str, int]  # (module, call number)
 CONTAINERS = frozenset({"ModuleList", "Sequential", "ModuleDict"})
@@ -330,8 +330,9 @@ class TraceIndex:
         """The classes whose instances are checkpointed as blocks: ``container_block_class`` and its peers, other
         composite classes repeated in containers that hold at least ``PEER_SHARE`` of its params and neither sit
         inside its instances nor hold them (Whisper's and BART's encoder layers beside their decoder layers, a
-        hybrid's two layer kinds): checkpointing the block class alone left an encoder's activations, the larger
-        part of a speech model's, saved in full."""
+        hybrid's two layer kinds: checkpointing the block class alone left an encoder's activations, the larger
+        part of a speech model's, saved in full), and a class stacked between its instances even where one kind
+        holds the other (Zamba2's hybrid layers each wrap a Mamba layer: ``block_instances`` are the outermost)."""
         main = self.container_block_class
         if main is None:
             return ()
@@ -368,9 +369,7 @@ class TraceIndex:
         hybrid layer's own Mamba layer): the blocks ``--ac`` checkpoints, ``--compile`` compiles and the order
         policy keeps whole."""
         classes = self.checkpoint_block_classes
-        found = [m for m, info in self._modules.items() if info.cls in classes]
-        held = set(found)
-        return tuple(m for m in found if not any(a in held for a in proper_ancestors(m) if a != ROOT))
+        return tuple(outermost([m for m, info in self._modules.items() if info.cls in classes]))
 
     def _interleaved(self, cls: str) -> set[str]:
         """The classes of the modules that sit between two instances of ``cls`` in a container holding them."""

@@ -28,6 +28,12 @@ def proper_ancestors(fqn: str) -> Iterator[str]:
         yield fqn
 
 
+def outermost(fqns: list[str]) -> list[str]:
+    """Those of ``fqns`` inside none of the others (the root aside: every module lies within it), in their order."""
+    held = set(fqns)
+    return [m for m in fqns if not any(a in held for a in proper_ancestors(m) if a != ROOT)]
+
+
 def depth(fqn: str) -> int:
     return 0 if fqn == ROOT else fqn.count(".") + 1
 
