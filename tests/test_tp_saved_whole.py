@@ -75,3 +75,21 @@ def test_a_sliding_window_masks_bias_is_whole(tmp_path, capsys):
     path = tmp_path / "gemma3.json"
     path.write_text(json.dumps(config))
     assert abs(_peak_error(capsys, f"hf:{path}", "--seq", "2048", "--batch", "1")) < 0.02
+
+
+def test_torchtitan_s_layout_taken_by_names_runs_one_rank_s_step_first(capsys):
+    """torchtitan's Llama layout is taken for a model of one's own by its module names alone: one whose attention
+    views into a fixed head count planned with --tp 2 (and auto weighed TP for it) and failed on every rank under
+    verify (a trial). Its local shapes now run first, as a detected layout's do; -1 heads plan as before."""
+    from fsdp_planner.cli import main
+
+    fixed, fine = "tests/fixtures/titan_named.py:fixed_heads", "tests/fixtures/titan_named.py:any_heads"
+    assert main(["plan", fixed, "--policy", "titan", "--tp", "2", "--cluster", "h100:8"]) == 2
+    assert "--tp 2 with torchtitan's Llama layout (taken by its module names) does not run on this model: one TP " \
+        "rank's step fails (aten.view in module 'layers.0.attention'" in capsys.readouterr().err
+    assert main(["plan", fixed, "--policy", "auto", "--cluster", "h100:8", "--batch", "2"]) == 0
+    assert "auto weighs no TP: torchtitan's Llama layout (taken by its module names) does not run" \
+        in capsys.readouterr().err
+    assert main(["plan", fine, "--policy", "auto", "--cluster", "h100:8", "--batch", "2"]) == 0
+    said = capsys.readouterr()
+    assert "1x4 x TP 2" in said.out + said.err and "auto weighs no TP" not in said.err

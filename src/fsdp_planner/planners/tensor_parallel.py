@@ -36,6 +36,8 @@ from fsdp_planner.trace.tree import ROOT, is_within, parent_of, proper_ancestors
 TP_DEGREES = (1, 2, 4, 8)  # what auto tries, where they divide the node and the model
 PAIRS = "column-then-row Linear pairs"  # the source of a detected layout
 PLAN_FILE = "the plan file's 'tensor_parallel'"  # the source of a layout the user wrote
+TITAN_LLAMA, TITAN_MOE = "torchtitan's Llama layout", "torchtitan's MoE layout"  # layouts taken by module names
+TITAN_LAYOUTS = (TITAN_LLAMA, TITAN_MOE)
 
 _LLAMA_BLOCK = {
     "attention_norm": TPStyle.SEQUENCE_PARALLEL,
@@ -151,7 +153,7 @@ def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_pa
         heads = _llama_heads(trace)
         notes = () if heads else (_UNKNOWN_HEADS,)
         found = Layout(titan_moe_layout(degree, loss_parallel is not False, expert_parallel=ep > 1),
-                       "torchtitan's MoE layout" + ("" if ep > 1 else " (experts tensor-parallel: no EP)"),
+                       TITAN_MOE + ("" if ep > 1 else " (experts tensor-parallel: no EP)"),
                        notes, heads)
     elif model is not None and hf.is_hf(model.name):
         found = _hf_layout(trace, degree, model)
@@ -200,7 +202,7 @@ _UNKNOWN_HEADS = ("the head counts are not known for this model: the degree is a
 def _titan_layout(trace: Trace, degree: int, loss_parallel: bool) -> Layout:
     heads = _llama_heads(trace)
     notes = () if heads else (_UNKNOWN_HEADS,)
-    return Layout(titan_llama_layout(degree, loss_parallel), "torchtitan's Llama layout", notes, heads)
+    return Layout(titan_llama_layout(degree, loss_parallel), TITAN_LLAMA, notes, heads)
 
 
 def _llama_heads(trace: Trace) -> tuple[int, int] | None:

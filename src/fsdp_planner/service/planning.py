@@ -20,10 +20,10 @@ from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.plan import Plan, Workload, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.fsdp2.validity import check_compiled_groups
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec, as_spec, written_defaults
+from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, written_defaults
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster, infeasible_message
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.auto.split import DEFAULT_SPLITS, MAX_SPLITS, choose_split
@@ -45,6 +45,7 @@ from fsdp_planner.planners.expert_parallel import (
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
 from fsdp_planner.planners.tensor_parallel import (
     PAIRS,
+    TITAN_LAYOUTS,
     TP_DEGREES,
     Layout,
     TPChoice,
@@ -130,6 +131,12 @@ def _dtype_notes(tr: Trace, job: PlanJob, reporter: Reporter) -> None:
         reporter.note(f"the model builds its trainable params in {' and '.join(built)} and precision "
                       f"'{job.options.precision.name}' stores them in {storage}: these figures are of the model so "
                       f"converted (model.to(torch.{storage}) in the factory), as verify and apply_plan need it")
+    f8 = job.options.float8
+    if f8 is not None:  # (a typo in --float8-skip kept nothing in bf16, without a word: a trial)
+        idle = f8.filtering_nothing([name for name, m in tr.modules.items() if m.cls == "Linear"])
+        if idle:
+            reporter.note(f"--float8-skip {','.join(idle[:5])}: in no Linear's name, so it keeps nothing in bf16 (a "
+                          "Linear whose name holds an entry is, e.g. layers.0.attention.wq)")
     if job.options.float8 is not None and not converted_linears(tr, job.options.float8):
         reporter.note("--float8 converts nothing in this model: torchao swaps plain nn.Linear layers whose dims are "
                       f"multiples of {FLOAT8_DIM_MULTIPLE} (and not filtered out), and it has none, so the step is "
@@ -431,6 +438,7 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
     if request.tp is None and request.mesh is None and request.target is Target.FSDP2:
         batch = model.workload().get("batch_size")
         layouts = tp_degrees(tr, model, cluster, request.loss_parallel, request.async_tp) if batch else []
+        layouts = _names_screened(layouts, model, reporter)
         if len(layouts) <= 1:
             _no_tp_screened(tr, model, batch is not None, reporter, cluster)
         layouts = _with_float8_scales(tr, layouts, options.float8, reporter)
@@ -505,6 +513,8 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
     unchecked: tuple[str, ...] = ()
     if layout.source == PAIRS:
         layout, unchecked = _checked_pairs(tr, request, spec, layout)
+    elif _by_names(layout, spec):
+        unchecked = _names_checked(spec, layout)
     for line in (*layout.notes, *unchecked):
         reporter.note(line)
     if layout.tp.async_tp and not layout.tp.sequence_parallel:  # torch's micro-pipelining fuses all-gathers and
@@ -527,6 +537,36 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
         reporter.note(f"--tp {request.tp} shards {share:.0%} of the params (the rest is whole on each TP rank): "
                       "plan it without --tp too, to weigh TP against pure FSDP")
     return layout.tp
+
+
+def _by_names(layout: Layout, spec: ModelSpec) -> bool:
+    """A torchtitan layout taken by module names alone on a model of one's own (not a built-in, whose code is
+    torchtitan's): its code may still view into a fixed head count (a trial's Llama: every rank failed in its
+    attention's view under verify, where plan and auto had said nothing)."""
+    return layout.source.startswith(TITAN_LAYOUTS) and spec.name not in BUILTINS
+
+
+def _names_checked(spec: ModelSpec, layout: Layout) -> tuple[str, ...]:
+    """``check_local_shapes`` of a ``_by_names`` layout: its sequence-parallel rowwise Linears' local shapes are
+    rowwise ones (only their output's collective differs)."""
+    local = TensorParallel(layout.tp.degree, {m: TPStyle.ROWWISE if s is TPStyle.ROWWISE_SEQUENCE else s
+                                              for m, s in layout.tp.layout.items()})
+    return check_local_shapes(spec, local, source=f"{layout.source} (taken by its module names)")
+
+
+def _names_screened(layouts: list[Layout], spec: ModelSpec, reporter: Reporter) -> list[Layout]:
+    """Auto's layouts, but for a ``_by_names`` one whose local shapes fail (checked at the first degree: a shape
+    the code fixes fails at every one): then no TP, said."""
+    first = next((x for x in layouts if x.tp.degree > 1), None)
+    if first is None or not _by_names(first, spec):
+        return layouts
+    try:
+        _names_checked(spec, first)
+    except LayoutDoesNotRun as e:
+        reporter.note(f"auto weighs no TP: {first.source} (taken by its module names) does not run on this model: "
+                      f"{e.reason}")
+        return layouts[:1]
+    return layouts
 
 
 def _checked_pairs(tr: Trace, request: PolicyRequest, spec: ModelSpec, layout: Layout

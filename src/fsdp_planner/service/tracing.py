@@ -205,9 +205,11 @@ def meta_model(spec: ModelSpec) -> LoadedModel:
     return build(spec) if build is not None else load_model(spec, meta=True)
 
 
-def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = False) -> tuple[str, ...]:
-    """Trace one TP rank's step of a detected layout (column-then-row pairs), or of a plan file's made of
-    ``LOCAL_STYLES`` only (``plan_file``): each colwise Linear with 1/TP of its output features, each rowwise one
+def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = False,
+                       source: str = "the detected layout (column-then-row Linear pairs)") -> tuple[str, ...]:
+    """Trace one TP rank's step of a detected layout (column-then-row pairs; ``source`` names another layout taken
+    by module names, torchtitan's on a model of one's own), or of a plan file's made of ``LOCAL_STYLES`` only
+    (``plan_file``): each colwise Linear with 1/TP of its output features, each rowwise one
     with 1/TP of its input features, on meta tensors, collectives aside. The detected layout assumes the ops
     between a pair's Linears take any head count (``view(b, s, -1, head_dim)``); a model whose code fixes the count
     its shapes split (T5's ``view(b, -1, n_heads, d)``, a relative-position bias of every head) fails here in one
@@ -230,8 +232,7 @@ def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = Fa
         module.weight = nn.Parameter(module.weight.new_empty(shape), module.weight.requires_grad)
         if module.bias is not None and style is TPStyle.COLWISE:
             module.bias = nn.Parameter(module.bias.new_empty(shape[0]), module.bias.requires_grad)
-    layout = (f"the plan's tensor-parallel layout (degree {d})" if plan_file else
-              f"--tp {d} with the detected layout (column-then-row Linear pairs)")
+    layout = f"the plan's tensor-parallel layout (degree {d})" if plan_file else f"--tp {d} with {source}"
     fix = ("give the plan a layout or degree whose local shapes its code takes" if plan_file else
            "plan it without --tp, or give a layout in a plan file's 'tensor_parallel'")
     try:
