@@ -125,6 +125,9 @@ def test_a_classic_policy_and_its_options():
     ({"float8": "fp8"}, "^float8 must be one of"),
     ({"float8_skip": ("wq",)}, "^float8_skip names Linears float8 training leaves in bf16: give float8"),
     ({"zero_grad": "never"}, "^zero_grad must be one of none, zeros"),
+    # (planned with FSDP2's float8 all-gather under an FSDP1 target: a trial)
+    ({"float8": "tensorwise", "target": "fsdp1"}, "^float8 plans torchao's float8 training with FSDP2 .*: leave "
+                                                  "target fsdp1 out"),
 ])
 def test_bad_arguments_are_one_sentence(kwargs, message):
     with pytest.raises(PlannerError, match=message.replace("(", r"\(")):

@@ -646,3 +646,15 @@ def test_a_tied_head_and_an_attention_s_out_proj_stay_unconverted_in_the_model_a
     assert [n for n, m in exported.named_modules() if type(m).__name__ == "Float8Linear"] == ["mlp"]
     assert exported.embed_out.weight is exported.embed_in.weight
     exported(ids).float().pow(2).mean().backward()  # the attention runs its out_proj's weight as it was
+
+
+def test_a_float8_skip_name_in_no_linear_s_name_is_said(capsys) -> None:
+    """--float8-skip (fp.plan's float8_skip) naming no Linear kept nothing in bf16 without a word (a trial's typo
+    'layers.0.atention.wq'), where a plan file's filter was said so."""
+    from fsdp_planner.cli import main
+
+    for skip, said in (("layers.0.atention.wq", True), ("layers.0.attention.wq", False)):
+        assert main(["plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--float8", "tensorwise",
+                     "--float8-skip", skip]) == 0
+        err = capsys.readouterr().err
+        assert (f"--float8-skip {skip}: in no Linear's name, so it keeps nothing in bf16" in err) is said

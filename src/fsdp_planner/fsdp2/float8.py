@@ -91,6 +91,11 @@ class Float8:
         return plain and not tied and len(weight_shape) == 2 \
             and all(d % FLOAT8_DIM_MULTIPLE == 0 for d in weight_shape) and not any(f in fqn for f in self.filter_fqns)
 
+    def filtering_nothing(self, linears: list[str]) -> list[str]:
+        """The filter's entries in none of ``linears``' names, the default heads aside (torchtitan's and
+        transformers' are never both there): a typo that keeps nothing in bf16."""
+        return [f for f in self.filter_fqns if f not in OUTPUT_HEAD_FQNS and not any(f in n for n in linears)]
+
     def describe(self) -> str:
         gather = ", float8 all-gather" + (" (precomputed scales)" if self.precompute_scale else "") \
             if self.fsdp_float8_all_gather else ""

@@ -12,7 +12,6 @@ from torch import nn
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches, check_same_model, short_list, with_claimed_params
 from fsdp_planner.fsdp2.expert_groups import alone_refusal, check_expert_groups
-from fsdp_planner.fsdp2.float8 import OUTPUT_HEAD_FQNS
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.fsdp2.validity import check_compiled_groups, check_forward_methods, check_plan_runs
@@ -168,10 +167,7 @@ def _filtering_nothing(plan: Plan, tr: Trace) -> str | None:
     """A note naming the float8 ``filter_fqns`` entries no Linear's name holds (a typo keeps nothing in bf16); the
     default's two names (torchtitan's head and transformers') are never both there and go unsaid."""
     f8 = plan.float8
-    if f8 is None or f8.filter_fqns == OUTPUT_HEAD_FQNS:
-        return None
-    linears = [name for name, m in tr.modules.items() if m.cls == "Linear"]
-    idle = [f for f in f8.filter_fqns if not any(f in name for name in linears)]
+    idle = f8.filtering_nothing([n for n, m in tr.modules.items() if m.cls == "Linear"]) if f8 is not None else []
     if not idle:
         return None
     return (f"plan float8.filter_fqns {shown_json(idle[:5])} {'is' if len(idle) == 1 else 'are'} in no Linear's "

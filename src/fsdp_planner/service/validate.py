@@ -549,6 +549,11 @@ def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bo
         policies.append(policy_request(kw, PolicyName.AUTO.value, spell))
     if the_cluster is not None:
         _check_ep_ranks(policies[0], the_cluster, spell)
+    if options.float8 is not None and any(p.target is Target.FSDP1 for p in policies):  # (it was planned with
+        # FSDP2's float8 all-gather under an FSDP1 target: a trial)
+        raise PlannerError(f"{spell.name_of('float8')} plans torchao's float8 training with FSDP2 (its Float8Linear "
+                           f"and float8 all-gather compose with fully_shard): leave {spell.name_of('target')} "
+                           "fsdp1 out")
     return PlanJob(model, tuple(policies), the_cluster, options,
                    memory_budget(kw, the_cluster, spell) if the_cluster is not None else None,
                    compare=kw.policy is None, split=split, whole_batch=kw.batch if split else None,  # type: ignore[arg-type]
