@@ -87,6 +87,16 @@ def test_compile_and_float8_give_the_cli_plan_for_a_real_module(capsys, tmp_path
     assert got != fp.plan(real.model, real.example_inputs, real.loss_fn, cluster="h100:8").to_dict()
 
 
+def test_a_loss_reading_a_real_parameter_compiles():
+    """A loss dividing by a learnable real temperature (CLIP's) fell back to an eager loss under compile_loss, with
+    no word (Dynamo refused the meta move's requires_grad_), where the factory's meta one compiled (a trial)."""
+    real = load_model("toy-llama", meta=False)
+    temp = torch.nn.Parameter(torch.tensor(1.5))
+    plan = fp.plan(real.model, real.example_inputs, lambda out: real.loss_fn(out / temp), cluster="h100:8",
+                   policy="titan", compile_loss=True)
+    assert plan.to_dict().get("compiled_loss") is True and temp.grad is None
+
+
 def test_a_classic_policy_and_its_options():
     plan = fp.plan("toy-llama", policy="titan", ac="full", cluster="h100:8", precision="fp32")
     assert plan.policy.startswith("titan") and plan.precision == "fp32"

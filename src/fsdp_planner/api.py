@@ -203,7 +203,8 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
         if compiled:
             why = f"on the meta copy, {model_error(on_meta)}" if copy is not None else \
                 f"no meta copy can be made: {model_error(on_meta)}"
-            raise PlannerError(f"compile: what compiled code saves is measured on a meta copy of the {name} model, "
+            raise PlannerError(f"{'compile' if spec.compile else 'compile_loss'}: what compiled code saves is "
+                               f"measured on a meta copy of the {name} model, "
                                f"and its step runs on real tensors only ({why}): a tensor made on an explicit device "
                                "in its forward? make it on its input's device, e.g. device=x.device") from on_meta
         if real is not None:
@@ -274,8 +275,11 @@ class _RealToMeta(TorchFunctionMode):
     of the lifted target, which ``trace/compiled_loss`` counts as the caller's."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if torch.compiler.is_compiling():
-            args, kwargs = tree_map_only(torch.Tensor, _meta, (args, kwargs or {}))
+        if torch.compiler.is_compiling():  # (a move Dynamo traces: no requires_grad_ on an intermediate, which it
+            # refuses, and no grad back to the real tensor, which meta cannot copy out: a real Parameter the loss
+            # reads, a temperature, is a constant to the compiled loss; it compiled eager before, another plan)
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t if t.is_meta else t.detach().to("meta"),
+                                         (args, kwargs or {}))
         else:
             with _disable_current_modes():  # the move itself is no op of the step
                 args, kwargs = tree_map_only(torch.Tensor, _meta, (args, kwargs or {}))
