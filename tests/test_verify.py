@@ -313,7 +313,7 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_pat
         assert len(launchers) == 1, launchers
         os.kill(int(launchers[0].partition(":")[0]), sig)
         killed = time.monotonic()
-        while _processes_mentioning(marker) and time.monotonic() - killed < 10:
+        while _processes_mentioning(marker) and time.monotonic() - killed < 30:
             time.sleep(0.1)
         ranks_gone = time.monotonic() - killed
         _, err = proc.communicate(timeout=30)
@@ -321,7 +321,8 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_pat
         if proc.poll() is None:
             proc.kill()
     assert _processes_mentioning(marker) == []
-    assert ranks_gone < 5, f"ranks outlived their launcher by {ranks_gone:.1f} s"
+    # (seconds, not the slow step's minutes: torchrun's SIGTERM shutdown took 5.8 s on a loaded 2-core host)
+    assert ranks_gone < 20, f"ranks outlived their launcher by {ranks_gone:.1f} s"
     assert proc.returncode == 2, err
     lines = [line for line in err.splitlines() if not line.startswith("note: ")]
     assert lines == [f"error: verify job failed: its torchrun launcher was killed by {signal.Signals(sig).name} (from "
