@@ -249,7 +249,8 @@ def test_experts_looked_up_by_a_formatted_index_trace_and_their_skips_are_found(
     model = _config(tmp_path, "switch", SWITCH)
     assert main(["plan", model, "--cluster", "h100:8", "--policy", "titan", "--seq", "32"]) == 0
     err = capsys.readouterr().err
-    assert "aten._local_scalar_dense (.item(), bool(), int(), a scalar formatted) in 'encoder.block.1.layer.1.mlp.experts'" in err
+    assert "aten._local_scalar_dense (.item(), bool(), int(), a scalar formatted) in " \
+        "'encoder.block.1.layer.1.mlp.experts'" in err
     assert main(["check", model, "--policy", "titan", "--seq", "32", "--json"]) == 1
     (skips,) = [f for f in json.loads(capsys.readouterr().out) if f["code"] == "routing-skips"]
     assert skips["module"] == "encoder.block.1.layer.1.mlp.experts.expert_3"

@@ -90,6 +90,9 @@ def test_torchtitan_s_layout_taken_by_names_runs_one_rank_s_step_first(capsys):
     assert main(["plan", fixed, "--policy", "auto", "--cluster", "h100:8", "--batch", "2"]) == 0
     assert "auto weighs no TP: torchtitan's Llama layout (taken by its module names) does not run" \
         in capsys.readouterr().err
+    assert main(["plan", fine, "--policy", "titan", "--tp", "2", "--cluster", "h100:8"]) == 0
+    # (its own loss: loss parallel, torchtitan's default, is said with what it takes; a masked mean fails on ranks)
+    assert "loss parallel (torchtitan's default) runs the loss on vocab-sharded logits" in capsys.readouterr().err
     assert main(["plan", fine, "--policy", "auto", "--cluster", "h100:8", "--batch", "2"]) == 0
     said = capsys.readouterr()
     assert "1x4 x TP 2" in said.out + said.err and "auto weighs no TP" not in said.err

@@ -514,7 +514,7 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
     if layout.source == PAIRS:
         layout, unchecked = _checked_pairs(tr, request, spec, layout)
     elif _by_names(layout, spec):
-        unchecked = _names_checked(spec, layout)
+        unchecked = (*_names_checked(spec, layout), *_loss_parallel_said(layout, request.loss_parallel))
     for line in (*layout.notes, *unchecked):
         reporter.note(line)
     if layout.tp.async_tp and not layout.tp.sequence_parallel:  # torch's micro-pipelining fuses all-gathers and
@@ -554,6 +554,17 @@ def _names_checked(spec: ModelSpec, layout: Layout) -> tuple[str, ...]:
     return check_local_shapes(spec, local, source=f"{layout.source} (taken by its module names)")
 
 
+def _loss_parallel_said(layout: Layout, asked: bool | None) -> tuple[str, ...]:
+    """Where a ``_by_names`` layout takes torchtitan's loss parallel by default: what that asks of the model's own
+    loss (a trial's masked mean and weighted, label-smoothed cross-entropy failed on every rank)."""
+    if asked is not None or not layout.tp.loss_parallel:
+        return ()
+    return ("loss parallel (torchtitan's default) runs the loss on vocab-sharded logits under torch's "
+            "loss_parallel(), which takes F.cross_entropy without class weights or label smoothing, and arithmetic "
+            "with numbers after it: a loss that mixes in other tensors (a mask, weights) fails on the ranks; "
+            "--no-loss-parallel (loss_parallel=False) plans the logits gathered instead",)
+
+
 def _names_screened(layouts: list[Layout], spec: ModelSpec, reporter: Reporter) -> list[Layout]:
     """Auto's layouts, but for a ``_by_names`` one whose local shapes fail (checked at the first degree: a shape
     the code fixes fails at every one): then no TP, said."""
@@ -566,6 +577,8 @@ def _names_screened(layouts: list[Layout], spec: ModelSpec, reporter: Reporter) 
         reporter.note(f"auto weighs no TP: {first.source} (taken by its module names) does not run on this model: "
                       f"{e.reason}")
         return layouts[:1]
+    for line in _loss_parallel_said(first, None if first.tp.loss_parallel else False):
+        reporter.note(f"auto's TP layouts: {line}")
     return layouts
 
 
