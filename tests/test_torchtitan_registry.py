@@ -506,6 +506,8 @@ def test_an_exported_job_reads_back_as_its_plan_and_a_job_without_it_as_torchtit
         bad.write_text(source + tail)
         with pytest.raises(PlannerError, match=f"FSDP_PLANNER_PLAN {says}, and fsdp-planner's export binds it once"):
             read_config(TORCHTITAN, f"{bad}:fsdp_planner_job")
+    bad.write_text(source + "\ndef g():\n    FSDP_PLANNER_PLAN = 1\n    return FSDP_PLANNER_PLAN\n")  # (a local)
+    assert read_config(TORCHTITAN, f"{bad}:fsdp_planner_job").plan is not None
     bad.write_text(re.sub(r"FSDP_PLANNER_PLAN: str = ", "if True:\n    FSDP_PLANNER_PLAN: str = ", source))
     with pytest.raises(PlannerError, match="FSDP_PLANNER_PLAN is bound elsewhere than in one top-level assignment"):
         read_config(TORCHTITAN, f"{bad}:fsdp_planner_job")

@@ -100,7 +100,7 @@ class NcclTable:
     @property
     def failed_checks(self) -> int:
         """Measurements (in- or out-of-place) whose data check failed: ``samples`` leaves them out."""
-        return sum(t is not None and t > 0 and not _wrong_ok(wrong) for r in self.rows
+        return sum(t is not None and t > 0 and not _wrong_ok(wrong) for r in self.rows if r.size >= _MIN_SIZE
                    for t, wrong in ((r.oop_time_us, r.oop_wrong), (r.ip_time_us, r.ip_wrong)))
 
     def samples(self) -> list[tuple[int, float]]:

@@ -954,7 +954,7 @@ def _exported_plan(tree: ast.Module, label: str) -> str | None:
     literal read as data), None where the file has none. Bound once, as the export binds it: a second binding
     (another assignment, ``+=``, an import as the name, a function's ``global``) is refused, since Python applies
     the last and the first was read (a trial's second assignment simulated a plan the job does not apply)."""
-    bindings = sum(_binds(n, PLAN_NAME) for n in ast.walk(tree))
+    bindings = _module_bindings(tree, PLAN_NAME)
     if bindings > 1:
         raise PlannerError(f"{label}: {PLAN_NAME} is bound {bindings} times, and fsdp-planner's export binds it "
                            "once (Python applies the last, the reader the first): export the plan again")
@@ -971,6 +971,21 @@ def _exported_plan(tree: ast.Module, label: str) -> str | None:
         raise PlannerError(f"{label}: {PLAN_NAME} is bound elsewhere than in one top-level assignment, where "
                            "fsdp-planner's export writes it: export the plan again")
     return None
+
+
+def _module_bindings(tree: ast.Module, name: str) -> int:
+    """How many times the module binds ``name`` in its own scope: a function's or class's locals are its own (a
+    review: a local named so was counted), but for a ``global`` of it."""
+    count, stack = 0, list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            count += node.name == name
+            count += sum(isinstance(n, ast.Global) and name in n.names for n in ast.walk(node))
+            continue
+        count += _binds(node, name)
+        stack.extend(ast.iter_child_nodes(node))
+    return count
 
 
 def _binds(node: ast.AST, name: str) -> bool:
