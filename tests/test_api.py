@@ -97,6 +97,22 @@ def test_a_loss_reading_a_real_parameter_compiles():
     assert plan.to_dict().get("compiled_loss") is True and temp.grad is None
 
 
+def test_a_loss_that_does_not_compile_is_said_as_a_warning():
+    """compile_loss on a loss reading a value (int(mask.sum())) is planned eager, as the command line does and
+    notes; the API dropped the note, and the caller had a plan of an eager loss without a word (a trial)."""
+    real = load_model("toy-llama", meta=False)
+    (tokens,) = real.example_inputs
+    labels = torch.randint(0, real.model.output.out_features, tokens.shape)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        total = torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        return total / int((labels != -100).sum())
+
+    with pytest.warns(UserWarning, match="^compile_loss: the loss of .* reads a value from a tensor"):
+        plan = fp.plan(real.model, real.example_inputs, loss_fn, cluster="h100:8", policy="titan", compile_loss=True)
+    assert not plan.to_dict().get("compiled_loss")
+
+
 def test_a_classic_policy_and_its_options():
     plan = fp.plan("toy-llama", policy="titan", ac="full", cluster="h100:8", precision="fp32")
     assert plan.policy.startswith("titan") and plan.precision == "fp32"

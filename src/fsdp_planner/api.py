@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable
 from copy import deepcopy
 from typing import Any
@@ -218,7 +219,13 @@ def _step_of(lm: LoadedModel, spec: ModelSpec, options: SimOptions) -> Trace:
     loss, given = step_loss(lm, spec, _unsaid)
     tr = trace(lm.model, lm.example_inputs, loss, precision=options.precision,
                routing=spec.routing or DEFAULT_CAPACITY, fp32_modules=spec.fp32_modules)
-    return as_the_job_runs(tr, lm, spec, given, options.precision, _unsaid)
+    said: list[str] = []
+    tr = as_the_job_runs(tr, lm, spec, given, options.precision, said.append)
+    if spec.compile_loss and tr.compiled_loss is None:  # asked for and not given: said, as the command line
+        # notes it (a loss reading a value, int(mask.sum()), is planned eager: a trial's was, without a word)
+        warnings.warn(next((n for n in said if n.startswith("--compile-loss")), "the loss is planned eager")
+                      .replace("--compile-loss:", "compile_loss:", 1), stacklevel=4)
+    return tr
 
 
 def _unsaid(line: str) -> None:
