@@ -113,6 +113,19 @@ def test_a_loss_that_does_not_compile_is_said_as_a_warning():
     assert not plan.to_dict().get("compiled_loss")
 
 
+def test_the_service_s_sentences_name_the_api_s_keywords():
+    """A script passed keywords, not options: the planning service's sentences named --tp and --float8-skip (a
+    trial); each option that is a keyword of plan is written as the keyword."""
+    from fsdp_planner.api import api_spelling
+
+    lm = load_model("seed-net", meta=True)
+    with pytest.raises(PlannerError, match="plan it without tp, or give a layout") as e:
+        fp.plan(lm.model, lm.example_inputs, lm.loss_fn, cluster="h100:8", tp=2)
+    assert "--" not in str(e.value)
+    assert api_spelling("(--float8-skip head, --no-float8-all-gather, --nproc 2, x--tp)") == \
+        "(float8_skip head, float8_all_gather=False, --nproc 2, x--tp)"
+
+
 def test_a_classic_policy_and_its_options():
     plan = fp.plan("toy-llama", policy="titan", ac="full", cluster="h100:8", precision="fp32")
     assert plan.policy.startswith("titan") and plan.precision == "fp32"

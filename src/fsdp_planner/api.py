@@ -10,7 +10,9 @@ script can plan and then train the very model it built.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import re
 import warnings
 from collections.abc import Callable
 from copy import deepcopy
@@ -106,13 +108,34 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         float8_skip=float8_skip or None, float8_tp_all_gather=float8_tp_all_gather, zero_grad=zero_grad)
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
                       split_by_default=True)
-    if isinstance(model, str):
-        outcome = plan_job(job, lambda spec, options: trace_spec(spec, options.precision))
-    else:
-        with built_by(lambda spec: _meta_twin(model, inputs, cross_entropy if spec.loss_chunks else loss_fn)):
-            outcome = _planned_module(job, model, inputs, loss_fn)
+    try:
+        if isinstance(model, str):
+            outcome = plan_job(job, lambda spec, options: trace_spec(spec, options.precision))
+        else:
+            with built_by(lambda spec: _meta_twin(model, inputs, cross_entropy if spec.loss_chunks else loss_fn)):
+                outcome = _planned_module(job, model, inputs, loss_fn)
+    except PlannerError as e:  # (the service's sentences name the command line's options)
+        raise PlannerError(api_spelling(str(e))) from e
     assert outcome.plan is not None  # one policy: its plan, or its error
     return outcome.plan
+
+
+_OPTION = re.compile(r"(?<![\w-])--(no-)?([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+
+
+def api_spelling(message: str) -> str:
+    """A sentence of the planning service with each command-line option that is a keyword of ``plan`` written as
+    the keyword (``--compile-loss`` as compile_loss, ``--no-float8-all-gather`` as float8_all_gather=False): a
+    script's caller passed no option (a trial's errors named --tp and --float8-skip)."""
+    def keyword(m: re.Match[str]) -> str:
+        name = m.group(2).replace("-", "_")
+        if name not in _KEYWORDS:
+            return m.group(0)
+        return f"{name}=False" if m.group(1) else name
+    return _OPTION.sub(keyword, message)
+
+
+_KEYWORDS = frozenset(inspect.signature(plan).parameters) - {"model", "inputs", "loss_fn"}
 
 
 def simulate(trace: Trace, plan: Plan, cluster: Cluster | str | None = None, options: SimOptions | None = None, *,
