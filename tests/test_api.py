@@ -108,9 +108,10 @@ def test_a_loss_that_does_not_compile_is_said_as_a_warning():
         total = torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), labels.flatten(), reduction="sum")
         return total / int((labels != -100).sum())
 
-    with pytest.warns(UserWarning, match="^compile_loss: the loss of .* reads a value from a tensor"):
-        plan = fp.plan(real.model, real.example_inputs, loss_fn, cluster="h100:8", policy="titan", compile_loss=True)
+    with pytest.warns(UserWarning, match="^compile_loss: the loss of .* reads a value from a tensor") as said:
+        plan = fp.plan(real.model, real.example_inputs, loss_fn, cluster="h100:8", policy="auto", compile_loss=True)
     assert not plan.to_dict().get("compiled_loss")
+    assert len(said) == 1 and said[0].filename == __file__  # once, at the caller's line
 
 
 def test_the_service_s_sentences_name_the_api_s_keywords():
@@ -122,8 +123,15 @@ def test_the_service_s_sentences_name_the_api_s_keywords():
     with pytest.raises(PlannerError, match="plan it without tp, or give a layout") as e:
         fp.plan(lm.model, lm.example_inputs, lm.loss_fn, cluster="h100:8", tp=2)
     assert "--" not in str(e.value)
-    assert api_spelling("(--float8-skip head, --no-float8-all-gather, --nproc 2, x--tp)") == \
-        "(float8_skip head, float8_all_gather=False, --nproc 2, x--tp)"
+    assert api_spelling("(--float8-skip head, --no-float8-all-gather, --nproc 2, x--tp, /a/--tp/m.py, "
+                        "--compile.enable)") == \
+        "(float8_skip head, float8_all_gather=False, --nproc 2, x--tp, /a/--tp/m.py, --compile.enable)"
+    # the same error, its class and fields kept: a PrecisionError is caught as one (a review: a plain PlannerError)
+    from fsdp_planner.models import ModelSpec
+
+    with pytest.raises(fp.PrecisionError) as failed:
+        fp.plan(str(ModelSpec("tests/fixtures/precision_models.py:unet_matmul")), policy="titan", cluster="h100:8")
+    assert failed.value.fix
 
 
 def test_a_classic_policy_and_its_options():
@@ -165,7 +173,8 @@ def test_a_classic_policy_and_its_options():
     ({"float8_skip": ("wq",)}, "^float8_skip names Linears float8 training leaves in bf16: give float8"),
     ({"zero_grad": "never"}, "^zero_grad must be one of none, zeros"),
     # (planned with FSDP2's float8 all-gather under an FSDP1 target: a trial)
-    ({"float8": "tensorwise", "target": "fsdp1"}, "^float8 plans torchao's float8 training with FSDP2 .*: leave "
+    ({"float8": "tensorwise", "target": "fsdp1"}, "^float8 tensorwise all-gathers its weights in float8 through "
+                                                  "FSDP2's .*: turn it off .float8_all_gather=False., or leave "
                                                   "target fsdp1 out"),
 ])
 def test_bad_arguments_are_one_sentence(kwargs, message):

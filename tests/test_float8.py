@@ -653,6 +653,12 @@ def test_a_float8_skip_name_in_no_linear_s_name_is_said(capsys) -> None:
     'layers.0.atention.wq'), where a plan file's filter was said so."""
     from fsdp_planner.cli import main
 
+    from fsdp_planner.fsdp2.float8 import Float8
+
+    # a default head's name is a typo only where no head name matches: "output" alone leaves lm_head in float8
+    assert Float8(filter_fqns=("output",)).filtering_nothing(["model.layers.0.q", "lm_head"]) == ["output"]
+    assert Float8(filter_fqns=("output", "lm_head", "w2")).filtering_nothing(["layers.0.w2", "output"]) == []
+    assert Float8().filtering_nothing(["conv"]) == []  # (the default: a model may have no head)
     for skip, said in (("layers.0.atention.wq", True), ("layers.0.attention.wq", False)):
         assert main(["plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--float8", "tensorwise",
                      "--float8-skip", skip]) == 0

@@ -108,19 +108,31 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         float8_skip=float8_skip or None, float8_tp_all_gather=float8_tp_all_gather, zero_grad=zero_grad)
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
                       split_by_default=True)
-    try:
-        if isinstance(model, str):
-            outcome = plan_job(job, lambda spec, options: trace_spec(spec, options.precision))
-        else:
-            with built_by(lambda spec: _meta_twin(model, inputs, cross_entropy if spec.loss_chunks else loss_fn)):
-                outcome = _planned_module(job, model, inputs, loss_fn)
-    except PlannerError as e:  # (the service's sentences name the command line's options)
-        raise PlannerError(api_spelling(str(e))) from e
+    said: list[str] = []  # the trace's notes: the API prints none, but warns of a compiled loss it could not give
+    outcome = _outcome(job, model, inputs, loss_fn, said.append)
+    for line in dict.fromkeys(n for n in said if n.startswith("--compile-loss:")):  # (planned eager: a trial's
+        # loss reading a value was, without a word)
+        warnings.warn(api_spelling(line), stacklevel=2)
     assert outcome.plan is not None  # one policy: its plan, or its error
     return outcome.plan
 
 
-_OPTION = re.compile(r"(?<![\w-])--(no-)?([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+def _outcome(job: PlanJob, model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+             note: Callable[[str], None]) -> PlanOutcome:
+    """The job planned for a MODEL spec or an ``nn.Module``, the trace's notes to ``note``; an error is the
+    service's, in the API's names (the same error: a ``PrecisionError`` keeps its class and fields)."""
+    try:
+        if isinstance(model, str):
+            return plan_job(job, lambda spec, options: trace_spec(spec, options.precision, note=note))
+        with built_by(lambda spec: _meta_twin(model, inputs, cross_entropy if spec.loss_chunks else loss_fn)):
+            return _planned_module(job, model, inputs, loss_fn, note)
+    except PlannerError as e:
+        e.args = (api_spelling(str(e)), *e.args[1:])
+        raise
+
+
+_OPTION = re.compile(r"(?<![\w/.-])--(no-)?([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w./-])")  # (not in a path, nor
+# a torchtitan override, --compile.enable)
 
 
 def api_spelling(message: str) -> str:
@@ -193,7 +205,8 @@ def _check_module(model: nn.Module, inputs: Any, batch: object, seq: object, hf_
 
 
 def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                   spec: ModelSpec, options: SimOptions, real: list[str] | None = None) -> Trace:
+                   spec: ModelSpec, options: SimOptions, real: list[str] | None = None,
+                   note: Callable[[str], None] = lambda line: None) -> Trace:
     """The module's step traced as the command line traces a factory's (``_step_of``): on its meta twin, or, when
     the step cannot run on meta, the real model under fake tensors (said in ``real``), where compile cannot be
     measured: a step that fails on real tensors too is said as the model's own error."""
@@ -205,7 +218,7 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
             copy, on_meta = None, e
         try:  # the command line traces on meta: a real model's meta twin gives its figures, and leaves it untouched
             if copy is not None:
-                return _step_of(LoadedModel(name, copy, meta_inputs, _on_meta_loss(loss_fn)), spec, options)
+                return _step_of(LoadedModel(name, copy, meta_inputs, _on_meta_loss(loss_fn)), spec, options, note)
         except PlannerError:  # the verdict of the step in the precision (PrecisionError), compile's: the model's
             raise
         except (SystemExit, Exception) as e:
@@ -219,7 +232,7 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
         with _grads_kept(model), quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
             try:
                 tr = _step_of(LoadedModel(name, model, inputs, loss_fn),
-                              dataclasses.replace(spec, compile=False, compile_loss=False), options)
+                              dataclasses.replace(spec, compile=False, compile_loss=False), options, note)
             except PlannerError:
                 raise
             except (SystemExit, Exception) as e:
@@ -236,23 +249,13 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
         return tr
 
 
-def _step_of(lm: LoadedModel, spec: ModelSpec, options: SimOptions) -> Trace:
+def _step_of(lm: LoadedModel, spec: ModelSpec, options: SimOptions, note: Callable[[str], None]) -> Trace:
     """``lm``'s step under the job's routing capacity, its loss and blocks as the job runs them (compiled, in
-    chunks: ``as_the_job_runs``), its notes unsaid (the API returns the plan)."""
-    loss, given = step_loss(lm, spec, _unsaid)
+    chunks: ``as_the_job_runs``), its notes to ``note``."""
+    loss, given = step_loss(lm, spec, note)
     tr = trace(lm.model, lm.example_inputs, loss, precision=options.precision,
                routing=spec.routing or DEFAULT_CAPACITY, fp32_modules=spec.fp32_modules)
-    said: list[str] = []
-    tr = as_the_job_runs(tr, lm, spec, given, options.precision, said.append)
-    if spec.compile_loss and tr.compiled_loss is None:  # asked for and not given: said, as the command line
-        # notes it (a loss reading a value, int(mask.sum()), is planned eager: a trial's was, without a word)
-        warnings.warn(next((n for n in said if n.startswith("--compile-loss")), "the loss is planned eager")
-                      .replace("--compile-loss:", "compile_loss:", 1), stacklevel=4)
-    return tr
-
-
-def _unsaid(line: str) -> None:
-    """A note of the trace, which the API does not print (it returns the plan)."""
+    return as_the_job_runs(tr, lm, spec, given, options.precision, note)
 
 
 def _on_meta(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
@@ -269,14 +272,14 @@ def _on_meta(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
     return deepcopy(model, memo), moved
 
 
-def _planned_module(job: PlanJob, model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None
-                    ) -> PlanOutcome:
+def _planned_module(job: PlanJob, model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                    note: Callable[[str], None]) -> PlanOutcome:
     """The job's outcome for an ``nn.Module``; a TP layout refused because the module's step runs only on real
     tensors (its meta twin fails whole, not for the layout) said so."""
     real: list[str] = []  # the traces that ran on the real model under fake tensors
 
     try:
-        return plan_job(job, lambda spec, options: _traced_module(model, inputs, loss_fn, spec, options, real))
+        return plan_job(job, lambda spec, options: _traced_module(model, inputs, loss_fn, spec, options, real, note))
     except LayoutDoesNotRun as e:
         if not real:
             raise

@@ -92,9 +92,14 @@ class Float8:
             and all(d % FLOAT8_DIM_MULTIPLE == 0 for d in weight_shape) and not any(f in fqn for f in self.filter_fqns)
 
     def filtering_nothing(self, linears: list[str]) -> list[str]:
-        """The filter's entries in none of ``linears``' names, the default heads aside (torchtitan's and
-        transformers' are never both there): a typo that keeps nothing in bf16."""
-        return [f for f in self.filter_fqns if f not in OUTPUT_HEAD_FQNS and not any(f in n for n in linears)]
+        """The filter's entries in none of ``linears``' names: a typo that keeps nothing in bf16. A default head's
+        name is one only where no head name matches (torchtitan's ``output`` and transformers' ``lm_head`` are never
+        both there; ``output`` alone on a transformers model leaves its ``lm_head`` in float8)."""
+        if self.filter_fqns == OUTPUT_HEAD_FQNS:  # (the default, not the user's: a model may have no head)
+            return []
+        idle = [f for f in self.filter_fqns if not any(f in n for n in linears)]
+        head = any(f in n for f in OUTPUT_HEAD_FQNS if f in self.filter_fqns for n in linears)
+        return [f for f in idle if not (head and f in OUTPUT_HEAD_FQNS)]
 
     def describe(self) -> str:
         gather = ", float8 all-gather" + (" (precomputed scales)" if self.precompute_scale else "") \

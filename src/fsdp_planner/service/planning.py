@@ -438,7 +438,7 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
     if request.tp is None and request.mesh is None and request.target is Target.FSDP2:
         batch = model.workload().get("batch_size")
         layouts = tp_degrees(tr, model, cluster, request.loss_parallel, request.async_tp) if batch else []
-        layouts = _names_screened(layouts, model, reporter)
+        layouts = _names_screened(layouts, model, request.loss_parallel, reporter)
         if len(layouts) <= 1:
             _no_tp_screened(tr, model, batch is not None, reporter, cluster)
         layouts = _with_float8_scales(tr, layouts, options.float8, reporter)
@@ -565,19 +565,21 @@ def _loss_parallel_said(layout: Layout, asked: bool | None) -> tuple[str, ...]:
             "--no-loss-parallel (loss_parallel=False) plans the logits gathered instead",)
 
 
-def _names_screened(layouts: list[Layout], spec: ModelSpec, reporter: Reporter) -> list[Layout]:
-    """Auto's layouts, but for a ``_by_names`` one whose local shapes fail (checked at the first degree: a shape
-    the code fixes fails at every one): then no TP, said."""
+def _names_screened(layouts: list[Layout], spec: ModelSpec, asked: bool | None, reporter: Reporter
+                    ) -> list[Layout]:
+    """Auto's layouts, but for a ``_by_names`` one whose local shapes fail (checked at the first degree, assumed
+    to hold at the others: a head count the code fixes fails at each): then no TP, said; what the check could not
+    run, and the loss parallel the layouts take unless ``asked``, said too."""
     first = next((x for x in layouts if x.tp.degree > 1), None)
     if first is None or not _by_names(first, spec):
         return layouts
     try:
-        _names_checked(spec, first)
+        unchecked = _names_checked(spec, first)
     except LayoutDoesNotRun as e:
         reporter.note(f"auto weighs no TP: {first.source} (taken by its module names) does not run on this model: "
                       f"{e.reason}")
         return layouts[:1]
-    for line in _loss_parallel_said(first, None if first.tp.loss_parallel else False):
+    for line in (*unchecked, *_loss_parallel_said(first, asked)):
         reporter.note(f"auto's TP layouts: {line}")
     return layouts
 

@@ -135,11 +135,12 @@ def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list
              "simulated eager, which holds at least what torch.compile's pieces would")
         return tr
     except Exception as e:
-        if isinstance(e, RuntimeError) and READS_A_VALUE in str(e):  # a value read in the graph (int(mask.sum()),
-            # captured as a scalar output), which the meta tensors it is measured on have none of: a GPU's graph
-            # waits for it there, or breaks; eager holds at least as much (a token count refused the loss before)
-            note(f"--compile-loss: the loss of '{spec}' reads a value from a tensor (.item(), int()), which the "
-                 "graph measured on meta tensors cannot: it is simulated eager, which holds at least what "
+        # a value read in the graph (int(mask.sum()), captured as a scalar output), which the meta tensors it is
+        # measured on have none of: a GPU's graph waits for it there, or breaks; eager holds at least as much (a
+        # token count refused the loss before)
+        if isinstance(e, RuntimeError) and any(text in str(e) for text in READS_A_VALUE):
+            note(f"--compile-loss: the loss of '{spec}' reads a value from a tensor (.item(), int(), .tolist()), "
+                 "which the graph measured on meta tensors cannot: it is simulated eager, which holds at least what "
                  "torch.compile's pieces would")
             return tr
         raise PlannerError(f"--compile-loss: AOTAutograd could not trace the loss of '{spec}' "
@@ -147,7 +148,8 @@ def _with_compiled_loss(tr: Trace, lm: LoadedModel, spec: ModelSpec, given: list
     return with_compiled_loss(tr, compiled)
 
 
-READS_A_VALUE = "Tensor.item() cannot be called on meta tensors"  # torch's meta kernel of _local_scalar_dense
+# torch's meta kernel of _local_scalar_dense (.item(), int()), and a copy off meta (.tolist(), .cpu())
+READS_A_VALUE = ("Tensor.item() cannot be called on meta tensors", "Cannot copy out of meta tensor")
 
 
 def with_loss_chunks(tr: Trace, spec: ModelSpec, precision: Precision, note: Callable[[str], None]) -> Trace:

@@ -517,6 +517,17 @@ def _check_ep_ranks(policy: PolicyRequest, cluster: Cluster, spell: Spelling) ->
                            "routed experts too")
 
 
+def _check_float8_target(options: SimOptions, policies: list[PolicyRequest], spell: Spelling) -> None:
+    """Refuse FSDP2's float8 all-gather under an FSDP1 target (it was planned so: a trial); torchao's float8 Linears
+    themselves run under FSDP1."""
+    if options.float8 is not None and options.float8.fsdp_float8_all_gather and \
+            any(p.target is Target.FSDP1 for p in policies):
+        off = "float8_all_gather=False" if spell is Spelling.API else "--no-float8-all-gather"
+        raise PlannerError(f"{spell.name_of('float8')} {options.float8.recipe.value} all-gathers its weights in "
+                           "float8 through FSDP2's fully_shard (torchao's float8 all-gather), which FSDP1 does not "
+                           f"run: turn it off ({off}), or leave {spell.name_of('target')} fsdp1 out")
+
+
 def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bool = False,
              split_by_default: bool = False) -> PlanJob:
     """The job ``plan`` runs: ``kw.policy``'s plan (None: the classic policies side by side, and auto's with a
@@ -549,11 +560,7 @@ def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bo
         policies.append(policy_request(kw, PolicyName.AUTO.value, spell))
     if the_cluster is not None:
         _check_ep_ranks(policies[0], the_cluster, spell)
-    if options.float8 is not None and any(p.target is Target.FSDP1 for p in policies):  # (it was planned with
-        # FSDP2's float8 all-gather under an FSDP1 target: a trial)
-        raise PlannerError(f"{spell.name_of('float8')} plans torchao's float8 training with FSDP2 (its Float8Linear "
-                           f"and float8 all-gather compose with fully_shard): leave {spell.name_of('target')} "
-                           "fsdp1 out")
+    _check_float8_target(options, policies, spell)
     return PlanJob(model, tuple(policies), the_cluster, options,
                    memory_budget(kw, the_cluster, spell) if the_cluster is not None else None,
                    compare=kw.policy is None, split=split, whole_batch=kw.batch if split else None,  # type: ignore[arg-type]
