@@ -652,7 +652,6 @@ def test_a_float8_skip_name_in_no_linear_s_name_is_said(capsys) -> None:
     """--float8-skip (fp.plan's float8_skip) naming no Linear kept nothing in bf16 without a word (a trial's typo
     'layers.0.atention.wq'), where a plan file's filter was said so."""
     from fsdp_planner.cli import main
-
     from fsdp_planner.fsdp2.float8 import Float8
 
     # a default head's name is a typo only where no head name matches: "output" alone leaves lm_head in float8
