@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -554,6 +555,17 @@ def _names_checked(spec: ModelSpec, layout: Layout) -> tuple[str, ...]:
     return check_local_shapes(spec, local, source=f"{layout.source} (taken by its module names)")
 
 
+@functools.lru_cache(maxsize=16)
+def _names_verdict(spec: ModelSpec, layout: Layout) -> tuple[str, ...] | str:
+    """``_names_checked`` at the factory's own workload (a head count the code fixes fails at any), once a
+    process: ``fit`` screens auto's layouts at each point it tries (a 70B factory's check took ~25 s). Its notes,
+    or why it does not run."""
+    try:
+        return _names_checked(spec, layout)
+    except LayoutDoesNotRun as e:
+        return e.reason
+
+
 def _loss_parallel_said(layout: Layout, asked: bool | None) -> tuple[str, ...]:
     """Where a ``_by_names`` layout takes torchtitan's loss parallel by default: what that asks of the model's own
     loss (a trial's masked mean and weighted, label-smoothed cross-entropy failed on every rank)."""
@@ -573,13 +585,12 @@ def _names_screened(layouts: list[Layout], spec: ModelSpec, asked: bool | None, 
     first = next((x for x in layouts if x.tp.degree > 1), None)
     if first is None or not _by_names(first, spec):
         return layouts
-    try:
-        unchecked = _names_checked(spec, first)
-    except LayoutDoesNotRun as e:
+    verdict = _names_verdict(dataclasses.replace(spec, batch_size=None, seq_len=None), first)
+    if isinstance(verdict, str):
         reporter.note(f"auto weighs no TP: {first.source} (taken by its module names) does not run on this model: "
-                      f"{e.reason}")
+                      f"{verdict}")
         return layouts[:1]
-    for line in (*unchecked, *_loss_parallel_said(first, asked)):
+    for line in (*verdict, *_loss_parallel_said(first, asked)):
         reporter.note(f"auto's TP layouts: {line}")
     return layouts
 
