@@ -133,12 +133,13 @@ def _dtype_notes(tr: Trace, job: PlanJob, reporter: Reporter) -> None:
                       f"'{job.options.precision.name}' stores them in {storage}: these figures are of the model so "
                       f"converted (model.to(torch.{storage}) in the factory), as verify and apply_plan need it")
     f8 = job.options.float8
-    if f8 is not None:  # (a typo in --float8-skip kept nothing in bf16, without a word: a trial)
-        idle = f8.filtering_nothing([name for name, m in tr.modules.items() if m.cls == "Linear"])
-        if idle:
-            reporter.note(f"--float8-skip {','.join(idle[:5])}: in no Linear's name, so it keeps nothing in bf16 (a "
-                          "Linear whose name holds an entry is, e.g. layers.0.attention.wq)")
-    if job.options.float8 is not None and not converted_linears(tr, job.options.float8):
+    if f8 is None:
+        return
+    idle = f8.filtering_nothing([name for name, m in tr.modules.items() if m.cls == "Linear"])
+    if idle:  # (a typo in --float8-skip kept nothing in bf16, without a word: a trial)
+        reporter.note(f"--float8-skip {','.join(idle[:5])}: in no Linear's name, so it keeps nothing in bf16 (a "
+                      "Linear whose name holds an entry is, e.g. layers.0.attention.wq)")
+    if not converted_linears(tr, f8):
         reporter.note("--float8 converts nothing in this model: torchao swaps plain nn.Linear layers whose dims are "
                       f"multiples of {FLOAT8_DIM_MULTIPLE} (and not filtered out), and it has none, so the step is "
                       f"the {job.options.precision.name} one")
@@ -515,7 +516,7 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
     if layout.source == PAIRS:
         layout, unchecked = _checked_pairs(tr, request, spec, layout)
     elif _by_names(layout, spec):
-        unchecked = (*_names_checked(spec, layout), *_loss_parallel_said(layout, request.loss_parallel))
+        unchecked = (*_names_verdict(spec, layout), *_loss_parallel_said(layout, request.loss_parallel))
     for line in (*layout.notes, *unchecked):
         reporter.note(line)
     if layout.tp.async_tp and not layout.tp.sequence_parallel:  # torch's micro-pipelining fuses all-gathers and
@@ -555,15 +556,22 @@ def _names_checked(spec: ModelSpec, layout: Layout) -> tuple[str, ...]:
     return check_local_shapes(spec, local, source=f"{layout.source} (taken by its module names)")
 
 
-@functools.lru_cache(maxsize=16)
-def _names_verdict(spec: ModelSpec, layout: Layout) -> tuple[str, ...] | str:
+def _names_verdict(spec: ModelSpec, layout: Layout) -> tuple[str, ...]:
     """``_names_checked`` at the factory's own workload (a head count the code fixes fails at any), once a
-    process: ``fit`` screens auto's layouts at each point it tries (a 70B factory's check took ~25 s). Its notes,
-    or why it does not run."""
+    process: ``fit`` plans at each point it tries (a 70B factory's check took ~25 s). Its notes; its
+    ``LayoutDoesNotRun`` raised again."""
+    verdict = _names_cached(dataclasses.replace(spec, batch_size=None, seq_len=None), layout)
+    if isinstance(verdict, LayoutDoesNotRun):  # (a fresh one: a caller may reword its own, as the API does)
+        raise LayoutDoesNotRun(str(verdict), verdict.reason) from verdict
+    return verdict
+
+
+@functools.lru_cache(maxsize=16)
+def _names_cached(spec: ModelSpec, layout: Layout) -> tuple[str, ...] | LayoutDoesNotRun:
     try:
         return _names_checked(spec, layout)
     except LayoutDoesNotRun as e:
-        return e.reason
+        return e
 
 
 def _loss_parallel_said(layout: Layout, asked: bool | None) -> tuple[str, ...]:
@@ -585,12 +593,13 @@ def _names_screened(layouts: list[Layout], spec: ModelSpec, asked: bool | None, 
     first = next((x for x in layouts if x.tp.degree > 1), None)
     if first is None or not _by_names(first, spec):
         return layouts
-    verdict = _names_verdict(dataclasses.replace(spec, batch_size=None, seq_len=None), first)
-    if isinstance(verdict, str):
+    try:
+        unchecked = _names_verdict(spec, first)
+    except LayoutDoesNotRun as e:
         reporter.note(f"auto weighs no TP: {first.source} (taken by its module names) does not run on this model: "
-                      f"{verdict}")
+                      f"{e.reason}")
         return layouts[:1]
-    for line in (*verdict, *_loss_parallel_said(first, asked)):
+    for line in (*unchecked, *_loss_parallel_said(first, asked)):
         reporter.note(f"auto's TP layouts: {line}")
     return layouts
 
