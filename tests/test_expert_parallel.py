@@ -1413,3 +1413,24 @@ def test_edited_ep_plan_files_get_one_sentence_from_simulate_and_export(tmp_path
         r = run_main(command, TINY, "--plan", edited("renamed.json", renamed), "--cluster", "h100:4")
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == \
             "error: plan names modules the model does not have: layers.7", r.stderr
+
+
+def test_a_size_policy_s_experts_are_sharded_in_their_own_calls_not_the_root_s() -> None:
+    """``--policy size --ep N`` wraps no block, so the experts' blocks' fully_shard call (the default per-param mesh)
+    was the root's, which keeps them gathered all step: Mixtral's 32 experts modules were one 11 GiB group, 11% over
+    an H100's budget on 64 GPUs. Unless ``--ep-placement`` says, each is sharded in a call of its own, said in a
+    note; on 8 fake ranks every count and byte exact."""
+    common = ("--policy", "size", "--min-nonwrapped-numel", "1000", "--ep", "2")
+    r = run_main("plan", TINY, *common, "--cluster", "h100:8", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout)["plans"][0]["plan"]
+    assert "per_param_mesh" not in plan["expert_parallel"]  # (absent: the experts' own calls)
+    experts = [g["modules"] for g in plan["groups"] if any(m.endswith("moe.experts") for m in g["modules"])]
+    assert experts == [["layers.0.moe.experts"], ["layers.1.moe.experts"]]
+    assert "wraps no module above the experts" in r.stderr
+    r = run_main("plan", TINY, *common, "--ep-placement", "blocks", "--cluster", "h100:8", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["plans"][0]["plan"]["expert_parallel"]["per_param_mesh"]
+    assert "wraps no module above" not in r.stderr
+    r = run_main("verify", TINY, *common, "--fake-world-size", "8", "--json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert json.loads(r.stdout)["counts_and_bytes_exact"]

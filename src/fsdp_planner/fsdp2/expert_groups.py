@@ -192,6 +192,14 @@ def param_group_hosts(plan: Plan, trace: Trace) -> dict[int, int]:
     return dict(found)
 
 
+def root_held_experts(plan: Plan, trace: Trace) -> list[str]:
+    """The expert modules of a per-param-mesh plan that the root's call shards (no group lists a module above
+    them: a policy that wraps no block), which FSDP2 keeps gathered as the root's params through the step."""
+    hosts = param_group_hosts(plan, trace)
+    root = len(plan.groups) - 1
+    return [m for g, host in hosts.items() if host == root for m in plan.groups[g].modules]
+
+
 def hosts_or_refusal(plan: Plan, experts: list[str], parent_of: Callable[[str], str | None]) -> dict[int, int] | str:
     """``param_group_hosts`` of ``plan`` whose expert modules are ``experts``, the module tree as ``parent_of``
     gives it; a sentence saying why FSDP2 cannot shard them so."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from fsdp_planner.choices import ExpertPlacement, GradientSync, ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fsdp2.claim import short_list
+from fsdp_planner.fsdp2.expert_groups import root_held_experts
 from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.plan import Plan, Workload, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
@@ -697,9 +699,19 @@ def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, mo
         return plan
     # the experts on dim 1 where dim 0 would pad, as torchtitan's apply_fsdp places them, unless the user chose
     # (``expert_placement``)
-    out = with_expert_parallel(plan, tr, request.ep, shard=plan.shard_size(world) if world else 0,
-                               placement=expert_placement(plan, request),
-                               per_param_mesh=request.ep_placement is not ExpertPlacement.OWN)
+    def made(per_param_mesh: bool) -> Plan:
+        return with_expert_parallel(plan, tr, request.ep, shard=plan.shard_size(world) if world else 0,
+                                    placement=expert_placement(plan, request), per_param_mesh=per_param_mesh)
+
+    out = made(request.ep_placement is not ExpertPlacement.OWN)
+    if request.ep_placement is None and (held := root_held_experts(out, tr)):
+        # a policy that wraps no block (size) leaves the experts to the root's call, which keeps them gathered all
+        # step (Mixtral's 32 under size: 11 GiB a rank): each sharded in a call of its own instead
+        reporter.note(f"{plan.policy} wraps no module above the experts ({short_list(held, 2)}), so their blocks' "
+                      "fully_shard call would be the root's, which keeps them gathered through the step: each experts "
+                      "module is sharded in a call of its own (--ep-placement own; --ep-placement blocks keeps the "
+                      "root's)")
+        out = made(False)
     ranks = plan.shard_size(world) * plan.tp_degree if world else 0  # the experts' FSDP ranks x EP
     if plan.tp_degree > 1 and not (plan.shard_dims or request.keeps_placement) and \
             ranks > expert_count(tr, list(out.expert_parallel.experts(tr.modules))):
