@@ -94,7 +94,9 @@ def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
         for x in path:
             top_of[x] = top
         tops[top] = None
-    return list(tops)
+    # a top below another that encloses its calls needs no hooks of its own (JetMoE's experts' linears, called
+    # through the experts' ``map`` but within their layer's call)
+    return [t for t in tops if t in cast or not any(a in tops and a not in not_enclosing for a in proper_ancestors(t))]
 
 
 @dataclass

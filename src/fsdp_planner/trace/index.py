@@ -242,23 +242,20 @@ class TraceIndex:
 
     @cached_property
     def not_enclosing(self) -> frozenset[str]:
-        """Modules whose calls do not enclose every call below them: the ancestors of a module called outside its
-        parent (``called_outside_parent``). Hooks on such a module do not run around every use of its subtree."""
-        return frozenset(a for m in self.called_outside_parent for a in proper_ancestors(m))
-
-    @cached_property
-    def called_outside_parent(self) -> frozenset[str]:
-        """Modules called (forward, or a non-forward method) at least once while their parent module is not
-        running: a parent calling a grandchild directly (``self.layer.proc(x)``), or a shared module called through
-        its other parent. Hooks on an ancestor do not run around such a call."""
+        """Modules whose calls do not enclose every call below them: those above a module called while its parent
+        module is not running (a parent calling a grandchild directly, ``self.layer.proc(x)``; a shared module
+        called through its other parent), up to the nearest one running then, which encloses that call. Hooks on
+        such a module do not run around every use of its subtree. (JetMoE's attention calls its experts' ``map``,
+        which calls their linears: the experts do not enclose them, the attention and its layer do.)"""
         running: dict[str, int] = {}  # module -> its calls open now
         out: set[str] = set()
         for e in self._events:
             if e.kind is EventKind.FWD_PRE:
-                # the nearest ancestor with a forward: a ModuleList/ModuleDict is never called, its parent calls
-                up = next((a for a in proper_ancestors(e.module) if self._modules[a].cls not in NO_FORWARD), ROOT)
-                if up != ROOT and not running.get(up):
-                    out.add(e.module)
+                for a in proper_ancestors(e.module):
+                    # a ModuleList/ModuleDict is never called: walked through, its parent decides
+                    if a == ROOT or (running.get(a) and self._modules[a].cls not in NO_FORWARD):
+                        break
+                    out.add(a)
                 running[e.module] = running.get(e.module, 0) + 1
             elif e.kind is EventKind.FWD_POST:
                 running[e.module] -= 1
