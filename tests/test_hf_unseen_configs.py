@@ -280,3 +280,21 @@ def test_a_layer_whose_experts_are_called_through_a_method_is_one_module_of_its_
     assert [list(g.modules) for g in plan.inner_groups] == [["model.embed_tokens", "lm_head", "model.layers.0"],
                                                            ["model.layers.1", "model.norm"]]
     assert main(["verify", spec, "--policy", "order", "--batch", "2", "--seq", "32", "--fake-world-size", "8"]) == 0
+
+
+RECURRENT_GEMMA = {"model_type": "recurrent_gemma", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 192,
+                   "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "lru_width": 64,
+                   "attention_window_size": 64, "conv1d_width": 4, "logits_soft_cap": 30.0, "head_dim": 16,
+                   "block_types": ["recurrent", "recurrent", "attention"], "partial_rotary_factor": 0.5}
+
+
+def test_a_loop_over_the_tokens_in_the_model_s_code_is_said(tmp_path, capsys):
+    """RecurrentGemma's RG-LRU scan runs in transformers as a Python loop over the sequence (about 9 ops a token):
+    its step was priced launch-bound (2.84 s for the 2B on 8 H100s at 2,048 tokens) with nothing said. The note
+    names the class and its ops a call; a model without such a loop (Mistral's) has none."""
+    spec = _config(tmp_path, "recurrent_gemma", RECURRENT_GEMMA)
+    assert main(["plan", spec, "--policy", "module", "--seq", "256", "--cluster", "h100:8"]) == 0
+    said = re.search(r"RecurrentGemmaRglru runs ([\d,]+) ops a call \(([\d.]+) a token of 256", capsys.readouterr().err)
+    assert said and int(said[1].replace(",", "")) >= 2 * 256 and float(said[2]) >= 2
+    assert main(["plan", _config(tmp_path, "mistral", MISTRAL), "--policy", "module", "--seq", "4096"]) == 0
+    assert "a loop over the tokens" not in capsys.readouterr().err

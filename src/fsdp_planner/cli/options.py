@@ -137,8 +137,8 @@ def add_ep_options(sp: argparse.ArgumentParser) -> None:
                     help="with EP: where FSDP2 shards the experts: 'blocks', in their blocks' fully_shard calls on a "
                          "per-param mesh (torchtitan since 2026-03), or 'own', each experts module fully_shard-ed "
                          "alone (torchtitan before; it can stay unsharded after forward apart from its block); "
-                         "default blocks (own where the policy wraps no module above them: size), and auto chooses (the "
-                         "plan file's expert_parallel.per_param_mesh)")
+                         "default blocks (own where the policy wraps no module above them: size), and auto "
+                         "chooses (the plan file's expert_parallel.per_param_mesh)")
 
 
 def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:

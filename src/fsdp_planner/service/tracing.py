@@ -61,7 +61,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
     encoder = (hf.encoder_note(lm.model) or hf.image_note(lm.model)) if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr, lm.model),
-                 mamba_note(tr, lm.model), selective_scan_note(tr, lm.model), routing_note(spec, routed[0]),
+                 mamba_note(tr, lm.model), selective_scan_note(tr, lm.model), token_loop_note(tr, spec.seq_len),
+                 routing_note(spec, routed[0]),
                  own_checkpointing_note(lm.own_checkpointing), positions, encoder,
                  *((hf.mtp_note(lm.model), hf.dense_experts_note(lm.model)) if hf.is_hf(spec.name) else ()),
                  hf.version_note() if hf.is_hf(spec.name) else None):
@@ -518,6 +519,33 @@ def selective_scan_note(tr: Trace, model: nn.Module) -> str | None:
     return (f"{fused:,} Mamba-1 mixers' scans traced as mamba_ssm's selective_scan_fn (what transformers trains with "
             "on a GPU with mamba_ssm: its inputs, the ungated output and fp32 chunk states saved, the rest made again "
             "in backward), timed by the bytes the memory-bound kernel moves")
+
+
+TOKEN_LOOP_MIN_OPS = 1024  # a call's forward ops from which a loop over the tokens is said (and 2 a token)
+
+
+def token_loop_note(tr: Trace, seq_len: int | None) -> str | None:
+    """The module class whose calls run the most forward ops, where each runs at least 2 a token and 1,024: a
+    Python loop over the sequence in the model's own code (RecurrentGemma's RG-LRU scan in transformers), which a
+    GPU runs as a kernel launch an op too. Said because the step it prices is launch-bound there (None: none)."""
+    if not seq_len:
+        return None
+    ops: dict[str, int] = {}
+    for e in tr.events:
+        if e.is_op and not e.backward and e.module in tr.modules:
+            cls = tr.modules[e.module].cls
+            ops[cls] = ops.get(cls, 0) + 1
+    calls: dict[str, int] = {}
+    for info in tr.modules.values():
+        calls[info.cls] = calls.get(info.cls, 0) + info.calls
+    looped = [(n, c) for c, n in ops.items() if calls.get(c) and n / calls[c] >= max(2 * seq_len, TOKEN_LOOP_MIN_OPS)]
+    if not looped:
+        return None
+    n, cls = max(looped)
+    return (f"{cls} runs {n / calls[cls]:,.0f} ops a call ({n / calls[cls] / seq_len:.1f} a token of {seq_len:,}; "
+            f"{n / sum(ops.values()):.0%} of the forward's ops): a loop over the tokens in the model's own code, each "
+            "op a kernel launch on a GPU too. The step is priced as that code runs; a fused kernel for it would take "
+            "a small part of that time")
 
 
 def routing_note(spec: ModelSpec, consulted: int) -> str | None:
