@@ -189,14 +189,14 @@ def test_more_kernels_than_ops_are_no_other_job() -> None:
     several a convolution: more kernels than the plan's ops is no sign of another job; fewer is."""
     import dataclasses
 
-    from fsdp_planner.calibrate.trace_fit import _kernel_problems
+    from fsdp_planner.calibrate.trace_fit import PlanCounts, _kernel_problems
 
     step = read_trace(LLAMA_1B).steps[0]
     assert (step.op_counts[OpClass.MATMUL], step.op_counts[OpClass.ATTENTION]) == (339, 32)
     flash = dataclasses.replace(step, op_counts={**step.op_counts, OpClass.ATTENTION: 64, OpClass.MATMUL: 500})
-    assert _kernel_problems(flash, (339, 32)) == []
-    assert _kernel_problems(step, (339, 48)) == ["a step of it runs 32 attention kernels where the plan's runs 48 "
-                                                 "attention calls"]
+    assert _kernel_problems(flash, PlanCounts(339, 32, 0)) == []
+    assert _kernel_problems(step, PlanCounts(339, 48, 16)) == ["a step of it runs 32 attention kernels where the "
+                                                               "plan's runs 48 attention calls"]
 
 
 @pytest.mark.integration
@@ -204,12 +204,15 @@ def test_more_kernels_than_ops_are_no_other_job() -> None:
     ("llama-1b", "llama-1b-ac", 2, "runs 339 matmul kernels where the plan's runs 435 matmuls; a step of it runs "
                                    "32 attention kernels where the plan's runs 48 attention calls"),
     ("llama-1b", "llama-1b", 4, r"ran at 16\d% of the H200-SXM-141GB's peak as the plan counts their FLOPs"),
+    ("llama-1b-ac", "llama-1b", 2, "its backward runs 16 forward attention kernels \\(a checkpointed job's "
+                                   "recomputation\\) where the plan recomputes no attention"),
 ])
 def test_h200_trace_of_another_job_is_refused(trace: str, plan: str, batch: int, says: str) -> None:
     """A GPU trace was checked for its FSDP ranges and all-gathers only: a trace without checkpointing fitted to
     a plan with it wrote a cluster 16-22% off, and a trace of batch 2 fitted at batch 4 a matmul efficiency of 1.0
-    at 1.67x the H200's peak, each without a word (a trial). (The reverse, a checkpointed job's trace beside a
-    plan without it, runs more kernels than ops, which legitimate traces do too: not caught.)"""
+    at 1.67x the H200's peak, each without a word (a trial). The reverse, a checkpointed job's trace beside a plan
+    without it, runs more kernels than ops, which legitimate traces do too, but its backward runs the forward's
+    attention kernels again, which no plan without checkpointing does."""
     from fsdp_planner.calibrate.trace_fit import fit_trace
     from fsdp_planner.errors import PlannerError
     from fsdp_planner.fsdp2.plan import Plan

@@ -349,6 +349,18 @@ def _time(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= MAX_MICROSECONDS
 
 
+# how attention kernels' names say the forward's (cuDNN's "fprop", FlashAttention's "flash_fwd", xformers'
+# "fmha_cutlassF") apart from the backward's ("bprop", "bwd", "cutlassB")
+FORWARD_KERNEL_WORDS = ("fprop", "fwd", "forward", "cutlassf")
+BACKWARD_KERNEL_WORDS = ("bprop", "bwd", "backward", "cutlassb")
+
+
+def forward_kernel(name: str) -> bool:
+    """Whether a kernel's name says it is a forward one (an attention kernel's: see ``FORWARD_KERNEL_WORDS``)."""
+    low = name.lower()
+    return any(w in low for w in FORWARD_KERNEL_WORDS) and not any(w in low for w in BACKWARD_KERNEL_WORDS)
+
+
 def op_class(name: str, gpu: bool) -> OpClass:
     """A CPU op's or a GPU kernel's class, by its name."""
     low = name.lower()

@@ -251,11 +251,14 @@ class TraceIndex:
         out: set[str] = set()
         for e in self._events:
             if e.kind is EventKind.FWD_PRE:
+                listed: list[str] = []  # ModuleLists/ModuleDicts walked through: never called, their parent decides
                 for a in proper_ancestors(e.module):
-                    # a ModuleList/ModuleDict is never called: walked through, its parent decides
-                    if a == ROOT or (running.get(a) and self._modules[a].cls not in NO_FORWARD):
+                    if a == ROOT or running.get(a):
                         break
-                    out.add(a)
+                    listed.append(a)
+                    if self._modules[a].cls not in NO_FORWARD:
+                        out.update(listed)
+                        listed = []
                 running[e.module] = running.get(e.module, 0) + 1
             elif e.kind is EventKind.FWD_POST:
                 running[e.module] -= 1
