@@ -1434,3 +1434,36 @@ def test_a_size_policy_s_experts_are_sharded_in_their_own_calls_not_the_root_s()
     r = run_main("verify", TINY, *common, "--fake-world-size", "8", "--json")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert json.loads(r.stdout)["counts_and_bytes_exact"]
+
+
+def test_experts_multiplying_rows_split_by_offsets_count_their_flops_and_refuse_ep(capsys) -> None:
+    """Experts written as torchtitan's (``torch._grouped_mm`` of the token rows sorted by expert, split by offsets)
+    were priced at no FLOPs (torch's FLOP counter has no formula for it: a Mixtral-sized model's forward read
+    2.75e4 GFLOP where its experts alone run 9.2e4), and ``--ep`` was planned, chosen by auto and exported for
+    them while EP's dispatch sends (experts, rows, dim) blocks: they failed on the ranks only. Their FLOPs are the
+    batched twin's (2 x rows x dim x hidden a projection, twice that in backward); EP is refused at plan time in
+    one sentence, and auto screens none."""
+    from fsdp_planner.models import load_model
+    from fsdp_planner.planners.expert_parallel import OFFSET_ROWS_EXPERTS, expert_modules
+    from fsdp_planner.sim.tracing import trace as trace_model
+    from fsdp_planner.trace.records import Trace
+
+    def traced(name: str) -> Trace:
+        lm = load_model(ModelSpec(f"tests/fixtures/ep_moe.py:{name}"), meta=True)
+        return trace_model(lm.model, lm.example_inputs, lm.loss_fn, precision=BF16.precision)
+
+    offsets, batched = traced("offset_tiny_mixtral"), traced("tiny_mixtral")
+    rows = 2 * 64 * 2  # batch x seq x top-k, in 8 equal shares
+    for m in expert_modules(offsets):
+        assert offsets.modules[m].fwd_flops == batched.modules[m].fwd_flops == 3 * 2 * rows * 128 * 256
+        assert offsets.modules[m].bwd_flops == 2 * offsets.modules[m].fwd_flops
+
+    def matmuls(tr: Trace) -> list[int]:  # (each expert's rows: a matmul's smallest dim)
+        return [e.kernel for e in tr.events if e.is_op and e.module == "layers.0.moe.experts" and e.kernel > 0]
+
+    assert matmuls(offsets) == matmuls(batched) == [rows // 8] * 9  # 3 forward, 6 backward
+    spec = "tests/fixtures/ep_moe.py:offset_tiny_mixtral"
+    r = run_main("plan", spec, "--policy", "titan", "--ep", "2", "--cluster", "h100:8")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {OFFSET_ROWS_EXPERTS}"
+    r = run_main("plan", spec, "--policy", "auto", "--cluster", "h100:8", "--json")
+    assert r.returncode == 0 and "expert_parallel" not in json.loads(r.stdout)["plans"][0]["plan"]

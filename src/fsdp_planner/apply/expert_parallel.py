@@ -51,8 +51,9 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: Any, split: int = 1) -> tu
     ep = mesh.size()
     if x.dim() != 3:  # (transformers' standard experts layers take their own EP: hf_experts.distribute_experts)
         raise PlannerError(f"{type(module).__name__} takes a {x.dim()}-D input, and expert parallelism is applied "
-                           "to experts taking (experts, tokens per expert, dim) (models/moe.py's GroupedExperts, "
-                           "torchtitan's) or to transformers' standard experts layers: plan it without --ep")
+                           "to experts taking (experts, tokens per expert, dim) (models/moe.py's GroupedExperts; "
+                           "not torchtitan's, which take the token rows and their counts) or to transformers' "
+                           "standard experts layers: plan it without --ep")
     if split > 1:
         if x.shape[1] % split:
             raise PlannerError(f"EP with TP {split} splits each expert's {x.shape[1]} routed tokens over the TP ranks: "

@@ -41,8 +41,8 @@ def ep_refusal(model: ModelSpec, trace: Trace, tp_degree: int) -> str | None:
     (simulated only), None where they do: transformers' (``hf:`` models) with TP (``NO_EP_TP``), experts layers
     other than its standard ones (``OTHER_EXPERTS``), or other experts whose rows are sized from data
     (``DATA_SIZED_EXPERTS``)."""
-    if self_routed_experts(trace):  # (any model's: EP cannot be applied to them at all)
-        return SELF_ROUTED_EXPERTS
+    if (said := token_list_experts(trace)) is not None:  # (any model's: EP cannot be applied to them at all)
+        return said
     if not hf.is_hf(model.name):
         return DATA_SIZED_EXPERTS if data_sized_experts(trace) else None
     if tp_degree > 1:
@@ -75,22 +75,34 @@ def data_sized_experts(trace: Trace) -> bool:
     return any(is_within(m, layer) for m in trace.stood_in for layer in layers)
 
 
-# an experts module that picks its own tokens (the routing's data-dependent ops run in its forward) takes the layer's
-# token list, not the (experts, rows, dim) block EP's dispatch sends it (``apply/expert_parallel.py``)
+# an experts module that picks its own tokens (the routing's data-dependent ops run in its forward), or multiplies the
+# layer's token rows split by offsets (a 2-D ``torch._grouped_mm``), takes the layer's token list, not the
+# (experts, rows, dim) block EP's dispatch sends it (``apply/expert_parallel.py``)
 SELF_ROUTED_EXPERTS = ("expert parallelism sends each rank's experts a block of (experts, rows, dim) routed rows, and "
                        "this model's experts modules select their own tokens (data-dependent ops in their forward, "
                        "noted): EP cannot run them, nor be simulated as it would run; plan it without --ep")
+OFFSET_ROWS_EXPERTS = ("expert parallelism here sends each rank's experts a block of (experts, rows, dim) routed rows "
+                       "(models/moe.py's GroupedExperts), and this model's experts modules take the layer's token rows "
+                       "split by offsets (a torch._grouped_mm of 2-D rows), which that dispatch cannot send and whose "
+                       "token-count dispatch is not modelled: plan it without --ep, or give the experts (experts, "
+                       "rows, dim) inputs")
 
 
-def self_routed_experts(trace: Trace) -> bool:
-    """Whether the routing's data-dependent ops ran inside an experts module itself (``SELF_ROUTED_EXPERTS``)."""
-    return any(is_within(m, e) for m in trace.stood_in for e in expert_modules(trace))
+def token_list_experts(trace: Trace) -> str | None:
+    """Why EP cannot run the model's experts modules, which take the layer's token list (``SELF_ROUTED_EXPERTS``,
+    ``OFFSET_ROWS_EXPERTS``); None where they take EP's block."""
+    experts = expert_modules(trace)
+    if any(is_within(m, e) for m in trace.stood_in for e in experts):
+        return SELF_ROUTED_EXPERTS
+    if any(is_within(m, e) for m in trace.offset_rows for e in experts):
+        return OFFSET_ROWS_EXPERTS
+    return None
 
 
 def check_ep_applies(trace: Trace) -> None:
-    """Refuse ``--ep`` (or a plan file's EP) on self-routed experts (``SELF_ROUTED_EXPERTS``)."""
-    if self_routed_experts(trace):
-        raise PlannerError(SELF_ROUTED_EXPERTS)
+    """Refuse ``--ep`` (or a plan file's EP) on experts that take the layer's token list (``token_list_experts``)."""
+    if (said := token_list_experts(trace)) is not None:
+        raise PlannerError(said)
 
 
 def check_dispatch_runs(plan: Plan, trace: Trace, model: ModelSpec) -> None:

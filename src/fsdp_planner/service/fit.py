@@ -33,7 +33,7 @@ from fsdp_planner.planners.expert_parallel import (
     expert_modules,
     per_param_meshes,
     runs_ep,
-    self_routed_experts,
+    token_list_experts,
     with_auto_ep,
     with_own_ep,
 )
@@ -260,7 +260,8 @@ class Points:
         degree the model and the plan's shard ranks allow, the fastest that fits, beside a TP layout the search
         took: ``with_own_ep``; for experts EP is simulated for only, where nothing fits without it)."""
         cluster, tr = self._cluster(key), self._trace(key)
-        if not expert_modules(tr) or self_routed_experts(tr) or (result.fits and not runs_ep(self.job.model, tr, 1)):
+        if not expert_modules(tr) or token_list_experts(tr) is not None or \
+                (result.fits and not runs_ep(self.job.model, tr, 1)):
             return result  # (EP of experts it is simulated for only, ``runs_ep``: where nothing fits without)
         try:
             out = with_own_ep(result, policy, tr, self.job.model.name, cluster, self.job.options)

@@ -40,7 +40,7 @@ from fsdp_planner.planners.expert_parallel import (
     per_param_meshes,
     runs_ep,
     screen_ep_tp,
-    self_routed_experts,
+    token_list_experts,
     with_auto_ep,
     with_expert_parallel,
     with_own_ep,
@@ -303,7 +303,7 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         policy = make_policy(request, cluster, options, layouts)
         assert isinstance(policy, AutoPolicy)
         searched = policy.search(tr, spec.name)
-        own = request.ep is None and expert_modules(tr) and not self_routed_experts(tr)
+        own = request.ep is None and expert_modules(tr) and not token_list_experts(tr) is not None
 
         def screened(found: AutoResult, note: Callable[[str], None] | None) -> AutoResult:
             if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)

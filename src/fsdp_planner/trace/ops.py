@@ -8,6 +8,7 @@ count too; module hooks alone would miss tied weights and params read outside th
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -126,6 +127,7 @@ _ATTENTION = -1  # _kernel_kinds' mark of an attention op
 _LINEAR_ATTENTION = -2  # ... of linear attention's (``linear_attention.py``: its forward and backward ops)
 _MAMBA_SCAN = -3  # ... of Mamba-2's conv and scan (``mamba_scan.py``)
 _SELECTIVE_SCAN = -4  # ... of Mamba-1's selective scan (``selective_scan.py``)
+_GROUPED = -5  # ... of a ``_grouped_mm`` (``grouped_mm_dims``)
 _kernel_kinds: dict[object, int | None] = {}  # func -> its first matrix's argument index, _ATTENTION, or None
 
 
@@ -135,7 +137,8 @@ def _kind(func: Any) -> int | None:
         return _kernel_kinds[func]
     except KeyError:
         name = str(getattr(func, "__name__", func))
-        kind = _MATMULS.get(func, _ATTENTION if any(w in name for w in _ATTENTION_WORDS) else
+        kind = _GROUPED if func is _GROUPED_MM else \
+            _MATMULS.get(func, _ATTENTION if any(w in name for w in _ATTENTION_WORDS) else
                             _LINEAR_ATTENTION if "chunk_gated_delta_rule" in name or "chunk_kda" in name else
                             _MAMBA_SCAN if "mamba_conv_scan" in name else
                             _SELECTIVE_SCAN if "selective_scan" in name else None)
@@ -158,6 +161,8 @@ def kernel_of(func: Any, args: tuple, kwargs: dict) -> int:
         return KERNEL_SELECTIVE_SCAN
     if kind == _ATTENTION:
         return KERNEL_CAUSAL_ATTENTION if _is_causal(func, args, kwargs) else KERNEL_ATTENTION
+    if kind == _GROUPED:
+        return _grouped_kernel(args, kwargs)
     a, b = args[kind], args[kind + 1]
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
         return KERNEL_OTHER
@@ -165,6 +170,23 @@ def kernel_of(func: Any, args: tuple, kwargs: dict) -> int:
         return max(1, min(int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])))
     except Exception:  # a symbolic size with no value (an unbacked SymInt): shape unknown
         return KERNEL_OTHER
+
+
+def _grouped_kernel(args: tuple, kwargs: dict) -> int:
+    """A ``_grouped_mm``'s smallest dim of one group's matmul (the groups split one dim evenly, as balanced routing
+    gives each expert its share)."""
+    a, b = args[0], args[1]
+    dims = grouped_mm_dims(args, kwargs)
+    if dims is None:
+        return KERNEL_OTHER
+    groups, rows, inner, cols = dims
+    if b.dim() == 3:  # (the experts' weights: each expert its share of the rows)
+        rows //= groups
+    elif a.dim() == 3:
+        cols //= groups
+    else:
+        inner //= groups
+    return max(1, min(rows, inner, cols))
 
 
 _causal_at: dict[object, int | None] = {}  # func -> the position of its ``is_causal`` argument, or None
@@ -212,6 +234,7 @@ class OpRecorder(TorchDispatchMode):
         self.seconds: dict[int, float] = {}  # event index -> measured seconds of that op
         self.attention: set[tuple[int, int, int]] = set()  # each fused attention call's heads (``Trace.attention``)
         self.attention_batch = 0  # the largest of their batches (``Trace.attention_batch``)
+        self.offset_rows: set[str] = set()  # modules a 2-D ``_grouped_mm`` ran in (``Trace.offset_rows``)
 
     def _params_read(self, flat_in: list) -> set[int]:
         """Indices of the params among an op's inputs, by identity or by storage (a view of one)."""
@@ -291,6 +314,8 @@ class OpRecorder(TorchDispatchMode):
             self.slot.topk_made(recorder.current_module(), flat_out)
         if cls is OpClass.ATTENTION_MASK:
             recorder.mask_made(flat_out)
+        if func is _GROUPED_MM and isinstance(args[0], torch.Tensor) and args[0].dim() == 2:
+            self.offset_rows.add(recorder.current_module())
         if cls is not OpClass.OTHER:  # one an op-level policy can keep (``Event.made_at``)
             recorder.made_by_keepable(flat_out)
         params, flops, nbytes, live = counted
@@ -377,10 +402,36 @@ def device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:
     return lambda: None
 
 
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
+def grouped_mm_dims(args: tuple, kwargs: dict) -> tuple[int, int, int, int] | None:
+    """(groups, rows, inner, cols) a ``torch._grouped_mm`` multiplies in all (rows x inner x cols multiply-adds),
+    by its operands' dims: 2-D x 3-D splits the rows by ``offs`` (torchtitan's experts: tokens x dim by experts x
+    dim x hidden), 3-D x 2-D the columns, 2-D x 2-D the inner dim (the weight gradient), 3-D x 3-D batches.
+    FlopCounterMode counts none (torch 2.13 registers no formula): an expert layer's matmuls were priced at 0."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    try:
+        if a.dim() == 3 and b.dim() == 3:
+            return int(a.shape[0]), int(a.shape[0]) * int(a.shape[1]), int(a.shape[2]), int(b.shape[2])
+        groups = int(b.shape[0]) if b.dim() == 3 else int(a.shape[0]) if a.dim() == 3 else \
+            int(offs.shape[0]) if isinstance(offs, torch.Tensor) else 1
+        return groups, int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
+    except Exception:  # a symbolic size with no value: shape unknown
+        return None
+
+
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """FlopCounterMode's count of one op, its grouped convolutions' weight gradient divided by the groups: torch
     2.13's ``conv_backward_flop`` counts that part as conv(input, grad_output) over every channel, ignoring groups
-    (a depthwise conv's backward was 65x its forward at 64 groups, not 2x)."""
+    (a depthwise conv's backward was 65x its forward at 64 groups, not 2x); a ``_grouped_mm``'s by
+    ``grouped_mm_dims``."""
+    if func is _GROUPED_MM:
+        dims = grouped_mm_dims(args, kwargs)
+        return 0 if dims is None else 2 * math.prod(dims[1:])
     fn = flop_registry.get(func._overloadpacket)
     if fn is None:
         return 0

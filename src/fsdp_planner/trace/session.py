@@ -210,7 +210,8 @@ class TraceSession:
                      cast_inputs=tuple(self.cast),
                      own_checkpointed=tuple(recorder.own_calls), attention=tuple(sorted(self.ops.attention)),
                      attention_batch=self.ops.attention_batch,
-                     stood_in=tuple(sorted({module for _, module in self.stand_in.used})))
+                     stood_in=tuple(sorted({module for _, module in self.stand_in.used})),
+                     offset_rows=tuple(sorted(self.ops.offset_rows)))
 
 
 def _clear_grads(tensors: list[torch.Tensor]) -> None:
