@@ -1199,3 +1199,38 @@ def test_a_sequence_as_wide_as_the_features_is_judged_beside_a_conditioning_vect
     monkeypatch.setattr(tn, "TIERS", (dataclasses.replace(tn.TIERS[0], max_flops=1e7),))
     verdict = tn.check_module("e", Embedded(), {"up": TPStyle.COLWISE, "down": TPStyle.ROWWISE}, 2, ids, {})
     assert isinstance(verdict, tn.Unchecked) and "FLOPs a run" in verdict.reason, verdict
+
+
+def test_a_wide_normed_attention_viewed_into_a_fixed_head_count_is_judged():
+    """A new user's LLaVA-style block, ``x + wo(sdpa(view(wq(norm(x)), b, s, heads, -1), ...))``: at width 64 the
+    check refused its layout, at 4,096 it passed it (the TP ranks then run 2 x 32 half-width heads, another model).
+    Every param was random at 1 / sqrt(its last dim), the norm's weight too: 1/64 at 4,096, so the scores were
+    nearly zero, every softmax uniform and any head split alike. A vector param is random at scale 1; the same
+    block with a head count of its own (``view(b, s, -1, head_dim)``) is sound at both widths."""
+    import torch
+
+    from fsdp_planner.service import tp_numerics as tn
+
+    class Block(nn.Module):
+        def __init__(self, width: int, heads: int | None, head_dim: int | None) -> None:
+            super().__init__()
+            self.heads, self.head_dim = heads, head_dim
+            self.norm = nn.RMSNorm(width)
+            self.wq, self.wk, self.wv, self.wo = (nn.Linear(width, width, bias=False) for _ in range(4))
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            y = self.norm(x)
+            q, k, v = (w(y).view(b, s, self.heads or -1, self.head_dim or -1).transpose(1, 2)
+                       for w in (self.wq, self.wk, self.wv))
+            out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return x + self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    styles = {"wq": TPStyle.COLWISE, "wk": TPStyle.COLWISE, "wv": TPStyle.COLWISE, "wo": TPStyle.ROWWISE}
+    for width in (64, 4096):
+        args = (tn.TensorSpec((1, 16, width), torch.float32),)
+        fixed = tn.check_module("b", Block(width, heads=width // 128 or 4, head_dim=None).to("meta"), styles, 2,
+                                args, {})
+        assert isinstance(fixed, tn.Mismatch) and fixed.error > 0.01, (width, fixed)
+        own = tn.check_module("b", Block(width, heads=None, head_dim=16).to("meta"), styles, 2, args, {})
+        assert own is None, (width, own)

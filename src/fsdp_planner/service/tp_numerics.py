@@ -165,12 +165,16 @@ def _alike(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def _materialized(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A ``dtype`` CPU copy of ``module`` in eval mode (no dropout module), params and floating buffers random (each
-    weight's scale 1 / sqrt(its last dim), as an initializer's), integer buffers zero, boolean ones true."""
+    matrix's scale 1 / sqrt(its last dim), as an initializer's; a vector's, a norm's weight or a bias, 1: at 1 /
+    sqrt(its length) a 4,096-wide norm scaled the attention's scores to nothing, every head's softmax was uniform
+    and a view into a fixed head count passed, where its whole and TP runs differ by 0.37), integer buffers zero,
+    boolean ones true."""
     generator = torch.Generator().manual_seed(SEED)
     copy = deepcopy(module).to_empty(device="cpu").to(dtype).eval()
     with torch.no_grad():
         for p in copy.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) / math.sqrt(max(1, p.shape[-1])))
+            scale = math.sqrt(max(1, p.shape[-1])) if p.dim() > 1 else 1.0
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) / scale)
         for b in copy.buffers():
             if b.dtype.is_floating_point:
                 b.copy_(torch.randn(b.shape, generator=generator, dtype=b.dtype))
