@@ -292,3 +292,25 @@ def test_a_tensor_parallel_view_shares_the_node_s_network(tp: int) -> None:
     for nodes in (2, 8):
         physical = alpha_beta(c, "all_gather", nodes * per_node, per_node)
         assert alpha_beta(view, "reduce_scatter", nodes * per_node) == pytest.approx(physical)
+
+
+@pytest.mark.parametrize(("names", "says"), [
+    (["NVIDIA A100-SXM4-40GB"], "cannot tell which preset matches GPU 'NVIDIA A100-SXM4-40GB'"),
+    (["NVIDIA H100 PCIe"], "cannot tell which preset matches GPU 'NVIDIA H100 PCIe'"),
+    (["NVIDIA GH200 480GB"], "cannot tell which preset matches GPU 'NVIDIA GH200 480GB'"),
+    (["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"], "the logs ran on different GPUs"),
+])
+def test_a_gpu_no_preset_describes_needs_a_base(tmp_path: Path, names: list[str], says: str) -> None:
+    """The preset was the first whose kind the device line named: an A100-SXM4-40GB's logs wrote a cluster of
+    80 GB GPUs (plans budgeted for twice their memory), an H100 PCIe's the SXM's clocks and NVLink, a log with an
+    A100 among H100s the H100's; each without a word (a trial). Each now asks for a base cluster."""
+    text = AG8.read_text()
+    lines = text.splitlines(keepends=True)
+    device = [i for i, line in enumerate(lines) if line.startswith("#  Rank")]
+    for n, i in enumerate(device):  # (a second name: the last rank's)
+        lines[i] = lines[i].replace("NVIDIA H100 80GB HBM3", names[-1] if n == len(device) - 1 else names[0])
+    log = tmp_path / "ag.log"
+    log.write_text("".join(lines))
+    with pytest.raises(PlannerError, match=says):
+        calibrate(log)
+    assert calibrate(AG8).gpu.name == "H100-SXM-80GB"  # (the H100 80GB HBM3's own logs take its preset)

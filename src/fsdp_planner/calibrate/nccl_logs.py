@@ -31,6 +31,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.hardware.cluster import (
+    GPUS,
     MAX_GPUS_PER_NODE,
     MAX_WORLD_SIZE,
     Cluster,
@@ -93,8 +94,9 @@ class NcclTable:
     ranks: int
     rows: tuple[NcclRow, ...]
     hosts: tuple[str, ...] = ()
-    gpu_name: str | None = None
+    gpu_name: str | None = None  # the GPU most of its ranks ran on
     source: str = "<text>"
+    gpu_names: tuple[str, ...] = ()  # every GPU its ranks ran on
     cut_rows: int = 0  # lines that began a row but held too few fields (a log cut short mid-row): left out
 
     @property
@@ -278,7 +280,7 @@ def _infer(run: _Run, kind: str | None, ranks: int | None, source: str) -> NcclT
 
     n = ranks or (data_n if data_n and data_n > 1 else None) or len(rank_ids) or 0
     return NcclTable(kind=k, ranks=n, rows=tuple(run.rows), hosts=hosts, gpu_name=gpu, source=source,
-                     cut_rows=run.cut)
+                     cut_rows=run.cut, gpu_names=tuple(sorted({g for _, _, g in run.ranks})))
 
 
 def _norm_kind(kind: str | None) -> str | None:
@@ -474,25 +476,38 @@ def _note_disagreement(tables: list[NcclTable], kind: str, ranks: int, note: Cal
              "cluster in one state")
 
 
+# a device line names the GPU as nvidia-smi does ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"): a preset is
+# taken for the variant it describes only (an A100-SXM4-40GB taken as the 80 GB preset budgeted plans for twice its
+# memory, an H100 PCIe as the SXM's clocks and NVLink: a trial's logs)
+OTHER_VARIANTS = ("PCIE", "NVL")
+
+
 def _preset_for(gpu_name: str | None) -> str | None:
+    """The preset of the GPU a device line names: its kind by name, none of ``OTHER_VARIANTS``, and its memory
+    where the name says it (GH200's "480GB" is no H200)."""
     if not gpu_name:
         return None
     up = gpu_name.upper()
-    for key in ("h200", "h100", "a100", "b200"):
-        if key.upper() in up:
-            return key
-    return None
+    key = next((k for k in ("h200", "h100", "a100", "b200") if k.upper() in up), None)
+    if key is None or any(w in up for w in OTHER_VARIANTS):
+        return None
+    sizes = re.findall(r"(\d+)\s*GB", up)
+    return key if not sizes or int(sizes[0]) == round(GPUS[key].memory_bytes / 1e9) else None
 
 
 def _base_from_logs(tables: Sequence[NcclTable]) -> Cluster:
     """A preset matching the GPUs and topology the logs ran on."""
-    names = Counter(t.gpu_name for t in tables if t.gpu_name)
-    gpu_name = names.most_common(1)[0][0] if names else None
+    every = sorted({g for t in tables for g in (t.gpu_names or ((t.gpu_name,) if t.gpu_name else ()))})
+    if len(every) > 1:
+        raise PlannerError(f"the logs ran on different GPUs ({', '.join(repr(g) for g in every[:4])}): no one preset "
+                           "is theirs; pass a base cluster (a preset such as h100:16 or a cluster JSON)")
+    gpu_name = every[0] if every else None
     key = _preset_for(gpu_name)
     if key is None:
+        presets = ", ".join(GPUS[k].name for k in ("h100", "h200", "a100", "b200"))
         raise PlannerError(
-            f"cannot tell which preset matches GPU '{gpu_name or 'unknown'}' in the logs; pass a base "
-            "cluster (a preset such as h100:16 or a cluster JSON)"
+            f"cannot tell which preset matches GPU '{gpu_name or 'unknown'}' in the logs (the presets are {presets}, "
+            "taken for those only); pass a base cluster (a preset such as h100:16 or a cluster JSON)"
         )
     with_hosts = [t for t in tables if t.hosts]
     if with_hosts:
