@@ -454,8 +454,9 @@ def _accelerate_fsdp2_carve(m: _Merge, model: str | None) -> None:
         m.note("Accelerate's FSDP2 also shards, after the wrap policy's modules, a transformers model's input "
                "embedding alone and [final norm, output embedding] (a model of its own: a child of the root whose "
                "class name holds Norm) as a group kept unsharded after forward (fsdp2_prepare_model, accelerate "
-               "1.16): not simulated with this wrap policy, whose groups are FSDP1's; TRANSFORMER_BASED_WRAP on a "
-               "transformers model is")
+               "1.16). That is simulated for TRANSFORMER_BASED_WRAP of one class on a transformers model only; here "
+               "the wrap policy's groups are simulated as FSDP1 makes them, which leaves the embeddings and output to "
+               "the root (gathered through the step): the job simulated may hold more than Accelerate's")
         return
     cfg.policy = PolicyName.TITAN
     m.note("Accelerate's FSDP2 shards a transformers model's input embedding alone and [final norm, output "
