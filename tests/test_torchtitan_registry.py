@@ -1476,3 +1476,22 @@ def test_simulate_says_the_graphed_job_s_host_wait_too(capsys):
 
     assert main(["simulate", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8"]) == 0
     assert "torchtitan replays the forward and backward as a CUDA graph" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("budget", "offloads"), [("16GiB", False), ("20GiB", True)])
+def test_the_keys_auto_changes_say_its_tp_degree_and_activation_offloading(capsys, budget: str, offloads: bool):
+    """Auto's plan of a job under a small budget took TP 4, said as "data_parallel_replicate_degree 1 -> 1,
+    data_parallel_shard_degree 8 -> 2" (the TP degree's own key was missing), and one offloading every block's
+    activations to the host said "activation_checkpoint: ... -> None", read as advice to drop checkpointing (a
+    trial). The TP key has its row, an unchanged degree none, and the offloading is said and marked as no key's."""
+    assert main(["plan", "--from-torchtitan", job("llama3_8b"), "--cluster", "h100:8", "--memory-budget", budget,
+                 "--json", "--quiet"]) in (0, 1)
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["tensor_parallel"]["degree"] == 4
+    changes = {c["key"]: c for c in out["changes"]}
+    assert (changes["parallelism.tensor_parallel_degree"]["config"],
+            changes["parallelism.tensor_parallel_degree"]["auto"]) == ("1", "4")
+    assert changes["parallelism.data_parallel_shard_degree"]["auto"] == "2"
+    assert "parallelism.data_parallel_replicate_degree" not in changes
+    ac = changes["activation_checkpoint"]
+    assert ("offloaded to the host" in ac["auto"]) is offloads and ac["expressible"] is not offloads

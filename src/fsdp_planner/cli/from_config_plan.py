@@ -131,9 +131,9 @@ REGISTRY_AC = {ACMode.NONE: "None", ACMode.FULL: "FullAC.Config()", ACMode.OP: "
 
 
 def _ac_text(cfg: JobConfig, mode: ACMode | None, plan: Plan | None = None) -> str:
-    if mode is None and plan is not None:
+    if mode is None and plan is not None and (plan.activation_checkpointing or plan.selective_checkpointing):
         full, op = len(plan.activation_checkpointing), len(plan.selective_checkpointing)
-        whole = "" if plan.checkpoint_early_stop or not (full or op) else ", re-run whole (early_stop=False)"
+        whole = "" if plan.checkpoint_early_stop else ", re-run whole (early_stop=False)"
         return "per block: " + " + ".join([*([f"{full} full"] if full else []),
                                            *([f"{op} op-level"] if op else [])]) + whole
     if cfg.registry:
@@ -166,18 +166,27 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
     ``auto``, its grouping last (an export's job, which runs the plan it holds, compared plan with plan)."""
     out = []
     held = auto is not None and cfg.plan is not None
-    if new.ac != old.ac or (held and new.ac is None and _checkpointed(config_plan) != _checkpointed(auto)):
-        ok = new.ac is not None and (new.ac in REGISTRY_AC if cfg.registry else
-                                     cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
-        out.append(Change(cfg.key("ac"), _ac_text(cfg, old.ac, config_plan), _ac_text(cfg, new.ac, auto), ok))
+    # (auto's activation offloading, ``--ac offload``'s: no config key says it, and "none" alone read as advice to
+    # drop checkpointing)
+    offloaded = len(auto.activation_offloading) if auto is not None else 0
+    if new.ac != old.ac or offloaded or \
+            (held and new.ac is None and _checkpointed(config_plan) != _checkpointed(auto)):
+        ok = new.ac is not None and not offloaded and (new.ac in REGISTRY_AC if cfg.registry else
+                                                       cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
+        said = _ac_text(cfg, new.ac, auto) + (f" + {fmt_count(offloaded, 'block')}' activations offloaded to the "
+                                              "host" if offloaded else "")
+        out.append(Change(cfg.key("ac"), _ac_text(cfg, old.ac, config_plan), said, ok))
     fsdp1 = cfg.fsdp1  # (its HSDP is a strategy, HYBRID_SHARD across the machines: no parallelism_config keys)
     olds, news = (_reshard_text(cfg, r, p, m.replicate) for r, p, m in ((old.reshard, config_plan, old.mesh),
                                                                          (new.reshard, auto, new.mesh)))
     if olds != news or (held and new.reshard is None and _flags(config_plan) != _flags(auto)):
         ok = new.reshard is not None and (not fsdp1 or new.mesh.replicate in (1, cfg.nodes or 1))
         out.append(Change(cfg.key("reshard"), olds, news, ok))
+    if new.tp != old.tp:  # (auto's TP screen chose another degree: the data-parallel degrees follow)
+        out.append(Change(cfg.key("tp"), str(old.tp), str(new.tp), not fsdp1))
     if new.mesh != old.mesh and not fsdp1:
-        out.append(Change(cfg.key("replicate"), str(old.mesh.replicate), str(new.mesh.replicate)))
+        if new.mesh.replicate != old.mesh.replicate:
+            out.append(Change(cfg.key("replicate"), str(old.mesh.replicate), str(new.mesh.replicate)))
         out.append(Change(cfg.key("shard"), str(old.mesh.shard), str(new.mesh.shard)))
     if new.ep != old.ep:  # (auto's EP screen chose another degree, or the edit takes it)
         out.append(Change(cfg.key("ep"), str(old.ep), str(new.ep), cfg.kind == TORCHTITAN))

@@ -156,14 +156,16 @@ KEY_NAMES = {
                  "shard": "parallelism.data_parallel_shard_degree", "offload": "training.enable_cpu_offload",
                  "policy": "(the grouping)", "compile": "compile.enable",
                  "compile_loss": "compile.enable with \"loss\" in compile.components",
-                 "early_stop": "activation_checkpoint.early_stop", "ep": "parallelism.expert_parallel_degree"},
+                 "early_stop": "activation_checkpoint.early_stop", "ep": "parallelism.expert_parallel_degree",
+                 "tp": "parallelism.tensor_parallel_degree"},
     ACCELERATE: {"ac": "fsdp_config.fsdp_activation_checkpointing",
                  "reshard": "fsdp_config.fsdp_reshard_after_forward",
                  "replicate": "parallelism_config.parallelism_config_dp_replicate_size",
                  "shard": "parallelism_config.parallelism_config_dp_shard_size",
                  "offload": "fsdp_config.fsdp_offload_params", "policy": "fsdp_config.fsdp_auto_wrap_policy",
                  "compile": "dynamo_config.dynamo_use_regional_compilation",
-                 "ep": "(expert parallelism: Accelerate's parallelism_config has no degree for it)"},
+                 "ep": "(expert parallelism: Accelerate's parallelism_config has no degree for it)",
+                 "tp": "parallelism_config.parallelism_config_tp_size"},
 }
 
 

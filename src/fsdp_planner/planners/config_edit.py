@@ -27,6 +27,7 @@ class Setting:
     mesh: Mesh
     offload: bool
     ep: int = 1  # the expert-parallel degree (1: none)
+    tp: int = 1  # the tensor-parallel degree (1: none); an edit keeps the config's
 
 
 def plan_setting(plan: Plan, tr: Trace, world: int) -> Setting:
@@ -38,7 +39,7 @@ def plan_setting(plan: Plan, tr: Trace, world: int) -> Setting:
     flags = [g.reshard_after_forward for g in plan.inner_groups]
     reshard = ("always" if all(f is True for f in flags) else "never" if all(f is False for f in flags)
                else "default" if flags and all(f is True for f in flags[:-1]) and flags[-1] is False else None)
-    return Setting(ac, reshard, plan.layout(world), plan.offload, plan.ep_degree)
+    return Setting(ac, reshard, plan.layout(world), plan.offload, plan.ep_degree, plan.tp_degree)
 
 
 def best_edit(modes: Sequence[ACMode], rules: Sequence[str], old: Setting, new: Setting,
@@ -50,11 +51,12 @@ def best_edit(modes: Sequence[ACMode], rules: Sequence[str], old: Setting, new: 
     the budget, the fastest that fits; None when none does."""
     best: tuple[Setting, StepReport] | None = None
     over = not fits(before.reserved_memory)  # (any edit that fits beats a job that does not)
+    # (auto's mesh at its own TP degree only: an edit keeps the config's)
     for mode, rule, mesh, offload, ep in itertools.product(modes, dict.fromkeys([old.reshard, *rules]),
-                                                           dict.fromkeys([old.mesh, new.mesh]),
+                                                           dict.fromkeys([old.mesh, new.mesh][:1 + (new.tp == old.tp)]),
                                                            dict.fromkeys([old.offload, new.offload]),
                                                            dict.fromkeys([old.ep, new.ep] if ep_key else [old.ep])):
-        setting = Setting(mode, rule, mesh, offload, ep)
+        setting = Setting(mode, rule, mesh, offload, ep, old.tp)
         if setting == old:
             continue
         r = step(setting)
@@ -75,7 +77,7 @@ def exported_setting(plan: Plan, mesh: Mesh) -> Setting:
     """The settings ``fsdp_planner_job()``'s keys give a job that keeps torchtitan's groups, as a config edit on
     ``mesh``: its one checkpointing class and one reshard rule (as ``apply/torchtitan_job.py`` writes them), the
     plan's offload and EP degree."""
-    return Setting(job_ac(plan), reshard_rule(plan), mesh, plan.offload, plan.ep_degree)
+    return Setting(job_ac(plan), reshard_rule(plan), mesh, plan.offload, plan.ep_degree, plan.tp_degree)
 
 
 def job_ac(plan: Plan) -> ACMode:

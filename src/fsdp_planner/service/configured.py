@@ -595,7 +595,8 @@ def _config_setting(cfg: JobConfig, kw: Keywords, dp: int) -> Setting:
     """What the config's keys set of a job over ``dp`` data-parallel ranks (its EP degree: the config's or
     ``--ep``, as ``kw`` has it)."""
     ep = kw.ep if isinstance(kw.ep, int) and kw.ep > 1 else 1
-    return Setting(cfg.ac or ACMode.NONE, cfg.reshard, Mesh(cfg.replicate, dp // cfg.replicate), cfg.offload, ep)
+    return Setting(cfg.ac or ACMode.NONE, cfg.reshard, Mesh(cfg.replicate, dp // cfg.replicate), cfg.offload, ep,
+                   cfg.tp)
 
 
 def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter,
