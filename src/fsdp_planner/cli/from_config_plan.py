@@ -164,30 +164,15 @@ def _reshard_text(cfg: JobConfig, value: str | None, plan: Plan | None = None, r
 def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan | None) -> list[Change]:
     """The keys whose value differs, each old -> new; a value no key can say is marked not expressible. With
     ``auto``, its grouping last (an export's job, which runs the plan it holds, compared plan with plan)."""
-    out = []
     held = auto is not None and cfg.plan is not None
-    # (auto's activation offloading, ``--ac offload``'s: no config key says it, and "none" alone read as advice to
-    # drop checkpointing)
-    offloaded = len(auto.activation_offloading) if auto is not None else 0
-    if new.ac != old.ac or offloaded or \
-            (held and new.ac is None and _checkpointed(config_plan) != _checkpointed(auto)):
-        ok = new.ac is not None and not offloaded and (new.ac in REGISTRY_AC if cfg.registry else
-                                                       cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
-        said = _ac_text(cfg, new.ac, auto) + (f" + {fmt_count(offloaded, 'block')}' activations offloaded to the "
-                                              "host" if offloaded else "")
-        out.append(Change(cfg.key("ac"), _ac_text(cfg, old.ac, config_plan), said, ok))
-    fsdp1 = cfg.fsdp1  # (its HSDP is a strategy, HYBRID_SHARD across the machines: no parallelism_config keys)
+    out = _ac_change(cfg, old, new, config_plan, auto)
+    fsdp1 = cfg.fsdp1
     olds, news = (_reshard_text(cfg, r, p, m.replicate) for r, p, m in ((old.reshard, config_plan, old.mesh),
                                                                          (new.reshard, auto, new.mesh)))
     if olds != news or (held and new.reshard is None and _flags(config_plan) != _flags(auto)):
         ok = new.reshard is not None and (not fsdp1 or new.mesh.replicate in (1, cfg.nodes or 1))
         out.append(Change(cfg.key("reshard"), olds, news, ok))
-    if new.tp != old.tp:  # (auto's TP screen chose another degree: the data-parallel degrees follow)
-        out.append(Change(cfg.key("tp"), str(old.tp), str(new.tp), not fsdp1))
-    if new.mesh != old.mesh and not fsdp1:
-        if new.mesh.replicate != old.mesh.replicate:
-            out.append(Change(cfg.key("replicate"), str(old.mesh.replicate), str(new.mesh.replicate)))
-        out.append(Change(cfg.key("shard"), str(old.mesh.shard), str(new.mesh.shard)))
+    out.extend(_mesh_changes(cfg, old, new))
     if new.ep != old.ep:  # (auto's EP screen chose another degree, or the edit takes it)
         out.append(Change(cfg.key("ep"), str(old.ep), str(new.ep), cfg.kind == TORCHTITAN))
     if new.offload != old.offload:
@@ -197,6 +182,34 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
     if auto is not None and not same:
         out.append(Change(cfg.key("policy"), f"{config_plan.policy}: {fmt_count(len(config_plan.groups), 'group')}",
                           fmt_count(len(auto.groups), "group"), False))
+    return out
+
+
+def _ac_change(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan | None) -> list[Change]:
+    """The checkpointing key's change, if any (auto's activation offloading, ``--ac offload``'s, said: no key says
+    it, and "none" alone read as advice to drop checkpointing)."""
+    held = auto is not None and cfg.plan is not None
+    offloaded = len(auto.activation_offloading) if auto is not None else 0
+    if not (new.ac != old.ac or offloaded or
+            (held and new.ac is None and _checkpointed(config_plan) != _checkpointed(auto))):
+        return []
+    ok = new.ac is not None and not offloaded and (new.ac in REGISTRY_AC if cfg.registry else
+                                                   cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
+    said = _ac_text(cfg, new.ac, auto) + (f" + {fmt_count(offloaded, 'block')}' activations offloaded to the host"
+                                          if offloaded else "")
+    return [Change(cfg.key("ac"), _ac_text(cfg, old.ac, config_plan), said, ok)]
+
+
+def _mesh_changes(cfg: JobConfig, old: Setting, new: Setting) -> list[Change]:
+    """The TP and data-parallel degrees' changes (auto's TP screen chose another degree: the data-parallel degrees
+    follow; an FSDP1 job's HSDP is a strategy, HYBRID_SHARD across the machines: no parallelism_config keys)."""
+    out = []
+    if new.tp != old.tp:
+        out.append(Change(cfg.key("tp"), str(old.tp), str(new.tp), not cfg.fsdp1))
+    if new.mesh != old.mesh and not cfg.fsdp1:
+        if new.mesh.replicate != old.mesh.replicate:
+            out.append(Change(cfg.key("replicate"), str(old.mesh.replicate), str(new.mesh.replicate)))
+        out.append(Change(cfg.key("shard"), str(old.mesh.shard), str(new.mesh.shard)))
     return out
 
 
