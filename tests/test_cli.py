@@ -149,17 +149,21 @@ def test_cost_simulate_memory_calibrate_commands(tmp_path):
 
 
 def test_memory_s_hint_plans_the_same_job():
-    """The plan command ``memory`` suggests for its FSDP row repeats the model's, workload's and precision options
-    given (a new user's trial: it named the model alone), and runs."""
+    """The plan command ``memory`` suggests for a plan's own peaks repeats the model's, workload's and precision
+    options given (a new user's trial: it named the model alone), and runs; with a cluster it names the budget
+    plans are held to (a trial read 69.2 GiB against the GPU's 74.5 GiB as fitting, where plans are held to
+    70.8 GiB of reserved memory and the module policy's was 79 GiB)."""
     job = ("--seq", "64", "--loss-chunks", "4", "--precision", "fp32", "--optimizer", "sgd-momentum")
     r = run_main("memory", "toy-llama", "--world-size", "8", *job)
-    hint = re.search(r"\): plan (.+) for this FSDP row's plan", " ".join(r.stdout.split()))
+    hint = re.search(r"and the allocator's: plan (.+) \(or --policy module", " ".join(r.stdout.split()))
     assert hint is not None, r.stdout
     args = shlex.split(hint.group(1))
-    assert args[:5] == ["toy-llama", "--policy", "module", "--cluster", "h100:8"] and set(job) <= set(args), args
+    assert args[:5] == ["toy-llama", "--policy", "auto", "--cluster", "h100:8"] and set(job) <= set(args), args
     r = run_main("plan", *args, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["plans"][0]["plan"]["loss_chunks"] == 4
+    r = run_main("memory", "toy-llama", "--cluster", "h100:8")
+    assert "is held to 70.8 GiB of it (one H100-SXM-80GB (80 GB) less 5% headroom)" in " ".join(r.stdout.split())
 
 
 @pytest.mark.parametrize(
