@@ -903,3 +903,21 @@ def test_ranks_far_above_the_cores_are_said(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
     _note_oversubscribed(2 * RANKS_PER_CORE + 1)
     assert "starts 9 CPU ranks on this host's 2 cores: they take turns" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.integration  # one 2-rank torchrun job, ~15 s
+def test_a_run_that_changes_no_param_says_its_parity_proves_nothing(tmp_path):
+    """A new user's model whose gradients were all zero passed verify (loss the same each step, parameter
+    difference 0): parity holds whatever a plan does when nothing trains. Said in a note; the run passes."""
+    factory = tmp_path / "still.py"
+    factory.write_text("import torch\n\n\ndef build(batch_size: int = 4):\n"
+                       "    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), "
+                       "torch.nn.Linear(32, 4))\n"
+                       "    x = torch.randn(batch_size, 16)\n"
+                       "    return model, (x,), lambda out: out.sum() * 0.0\n")
+    r = run_main("verify", f"{factory}:build", "--policy", "order", "--nproc", "2", "--steps", "2",
+                 "--precision", "fp32")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "no param changed in the 2 steps" in " ".join((r.stdout + r.stderr).split())
+    r = run_main("verify", "seed-net", "--policy", "order", "--nproc", "2", "--steps", "1", "--precision", "fp32")
+    assert r.returncode == 0 and "no param changed" not in r.stdout + r.stderr

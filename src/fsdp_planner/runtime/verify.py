@@ -606,6 +606,9 @@ def job_result(job: VerifyJob, data: dict[str, Any], returncode: int, predicted:
     notes = []
     if returncode != 0:
         notes.append(f"torchrun exited {returncode} after the results were written (exit noise ignored)")
+    if data.get("params_changed") == 0:
+        notes.append(f"no param changed in the {job.train.steps} steps (every gradient zero, or a learning rate of "
+                     "0): the parity check holds whatever the plan does, and proves nothing of it")
     return VerifyResult(
         world_size=data["world"], steps=job.train.steps, backend=data["backend"], predicted=predicted,
         counted=data["counted"], counted_bytes=data["counted_bytes"], predicted_bytes=predicted_bytes,
