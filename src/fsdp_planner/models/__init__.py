@@ -35,7 +35,7 @@ from fsdp_planner.errors import PlannerError, raised_at
 from fsdp_planner.limits import MAX_LOSS_CHUNKS
 from fsdp_planner.models import encdec, gpt2, hf, llama, lora, moe, seed, vit
 from fsdp_planner.models.on_meta import meta_init
-from fsdp_planner.patching import patched
+from fsdp_planner.patching import TORCHAO_LOGGERS, patched, quiet_loggers
 from fsdp_planner.userfiles import MAX_SOURCE_BYTES
 
 
@@ -449,7 +449,9 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
         if folder not in sys.path:  # as ``python file.py`` does: the file imports what lies beside it
             sys.path.insert(0, folder)
         try:
-            with no_hard_exit():
+            # (a factory's transformers may import torchao, whose CUDA kernels a CPU build cannot load: lines on
+            # stderr that say nothing of the job)
+            with no_hard_exit(), quiet_loggers(*TORCHAO_LOGGERS):
                 module_spec.loader.exec_module(module)
         except SystemExit as e:
             raise PlannerError(exit_message(e, f"importing '{target}'")) from e
@@ -459,7 +461,7 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
         if "" not in sys.path and os.getcwd() not in sys.path:  # as ``python -m``: modules in this directory too
             sys.path.insert(0, os.getcwd())
         try:
-            with no_hard_exit():
+            with no_hard_exit(), quiet_loggers(*TORCHAO_LOGGERS):
                 module = importlib.import_module(target)
         except SystemExit as e:
             raise PlannerError(exit_message(e, f"importing module '{target}'")) from e
@@ -481,7 +483,7 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
         kwargs["attention"] = model_spec.attention  # transformers' attn_implementation (hf.build_model)
     torch.manual_seed(seed)
     try:
-        with no_hard_exit():
+        with no_hard_exit(), quiet_loggers(*TORCHAO_LOGGERS):
             if meta:
                 with meta_init():  # on meta, initialisers fill nothing: skipped (on_meta.py)
                     result = factory(**kwargs)

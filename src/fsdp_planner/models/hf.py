@@ -353,10 +353,14 @@ def _refuse_multimodal(config: Any) -> None:
     from transformers.models.auto import modeling_auto as auto
 
     text = getattr(getattr(config, "text_config", None), "model_type", None)
-    hint = (f": plan its language model with its text_config as a config of its own (\"model_type\": \"{text}\")"
-            if text in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "")
-    raise PlannerError(f"hf: model type '{config.model_type}' reads images or audio beside text, which the planner "
-                       f"cannot make inputs for (it would trace the text model alone){hint}")
+    alone = (f"; or its language model alone, with its text_config as a config of its own (\"model_type\": "
+             f"\"{text}\"), without the media towers and their tokens" if text in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+             else "")
+    media = " beside text" if text else ""
+    raise PlannerError(f"hf: model type '{config.model_type}' reads images or audio{media}, which the planner cannot "
+                       "make inputs for from a config alone: plan the whole model with a factory that builds it "
+                       "from this config and returns its inputs (pixel values, the image tokens in the ids), as "
+                       f"docs/your-model.md shows{alone}")
 
 
 # A speech encoder-decoder the planner can feed takes log-mel frames (Whisper): num_mel_bins channels of a fixed
