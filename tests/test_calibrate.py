@@ -314,3 +314,35 @@ def test_a_gpu_no_preset_describes_needs_a_base(tmp_path: Path, names: list[str]
     with pytest.raises(PlannerError, match=says):
         calibrate(log)
     assert calibrate(AG8).gpu.name == "H100-SXM-80GB"  # (the H100 80GB HBM3's own logs take its preset)
+
+
+def test_what_a_fit_leaves_out_or_cannot_see_is_said(tmp_path: Path) -> None:
+    """A log of three sizes of 2 GiB and more fitted a latency of 0.0 us, one whose out-of-place times were 1,000x
+    its in-place ones fitted a line 71% off its samples, and dropped outliers were never mentioned (a trial). Each
+    is said in a note; the clean all-gather fixture has none."""
+    lines = AG8.read_text().splitlines(keepends=True)
+    rows = [i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith(("#", "NCCL"))]
+
+    def notes(text: str) -> list[str]:
+        log = tmp_path / "ag.log"
+        log.write_text(text)
+        said: list[str] = []
+        fit_logs(log, note=said.append)
+        return said
+
+    assert notes("".join(lines)) == []
+    large = "".join(line for i, line in enumerate(lines) if i not in rows[:-3])
+    assert any("the latency fitted (" in n and "is not measured; run nccl-tests from small sizes" in n
+               for n in notes(large))
+
+    def slowed(line: str) -> str:  # the out-of-place time x 1,000
+        fields = line.split()
+        fields[5] = f"{float(fields[5]) * 1000:.2f}"
+        return "  ".join(fields) + "\n"
+
+    loose = "".join(slowed(line) if i in rows else line for i, line in enumerate(lines))
+    assert any("off the fitted line (root mean square)" in n for n in notes(loose))
+    said: list[str] = []
+    fit_logs(RS8, note=said.append)  # (its one 3x hiccup)
+    assert said == [f"reduce_scatter over 8 ranks ({RS8}): 1 of 58 samples left out of the fit as outliers, far off "
+                    "the line the others make (a hiccup; many: the log's runs disagree)"]

@@ -457,8 +457,33 @@ def fit_logs(
             raise PlannerError(f"cannot fit {what}: its largest size, {fmt_bytes(largest)}, still takes mostly "
                                "latency, so the log shows no bandwidth (a log cut short?); run nccl-tests up to "
                                "large sizes, e.g. -b 8 -e 8G -f 2")
+        _note_fit(what, samples, n, (a, bw, rms, dropped), note)
         fits.append(Fit(k, n, a, bw, rms, len(samples) - dropped, dropped, srcs))
     return usable, fits
+
+
+LATENCY_SEEN = 0.05  # the latency's share of the smallest size's time below which the log does not measure it
+LOOSE_FIT = 0.25  # the kept samples' relative rms off the line from which the fit is said to be loose
+
+
+def _note_fit(what: str, samples: list[tuple[int, float]], ranks: int, fit: tuple[float, float, float, int],
+              note: Callable[[str], None]) -> None:
+    """Say what a fit left out or could not see (a trial's logs fitted all three without a word): the samples
+    dropped as outliers, samples far off the line (a log whose out-of-place times were 1,000x its in-place ones
+    fitted 71% rms), and a latency the log's sizes do not measure (its smallest already bandwidth-bound)."""
+    alpha, busbw, rms, dropped = fit
+    if rms > LOOSE_FIT:
+        note(f"{what}: its samples sit {rms:.0%} off the fitted line (root mean square): the log's runs or its in- "
+             "and out-of-place columns disagree; the line is no measurement of either")
+    if dropped:
+        note(f"{what}: {dropped} of {len(samples)} samples left out of the fit as outliers, far off the line the "
+             "others make (a hiccup; many: the log's runs disagree)")
+    smallest = min(size for size, _ in samples if size > 0)
+    took = alpha + (ranks - 1) / ranks * smallest / busbw
+    if alpha < LATENCY_SEEN * took:
+        note(f"{what}: its smallest size, {fmt_bytes(smallest)}, takes {took * 1e6:,.1f} us, nearly all of it "
+             f"bandwidth: the latency fitted ({alpha * 1e6:.1f} us) is not measured; run nccl-tests from small "
+             "sizes (-b 8)")
 
 
 def _note_disagreement(tables: list[NcclTable], kind: str, ranks: int, note: Callable[[str], None]) -> None:
