@@ -169,10 +169,11 @@ def test_a_log_cut_short_is_fitted_on_its_whole_rows_with_a_note(tmp_path: Path)
     notes: list[str] = []
     tables, _ = fit_logs([cut, RS8], note=notes.append)
     assert [t.cut_rows for t in tables] == [1, 0] and len(tables[0].rows) == 30
+    notes = [n for n in notes if "as outliers" not in n]  # (RS8's one hiccup: said in a note of its own)
     assert notes == [f"the all_gather run in {cut} has 1 row cut short (a size, then fewer fields than nccl-tests "
                      "prints: a log cut mid-row?), left out: fitted on its 30 whole rows"]
     fit_logs([AG8, RS8], note=notes.append)
-    assert len(notes) == 1
+    assert len([n for n in notes if "cut short" in n]) == 1
 
 
 def test_measurements_whose_data_check_failed_are_left_out_with_a_note(tmp_path: Path) -> None:
@@ -189,7 +190,7 @@ def test_measurements_whose_data_check_failed_are_left_out_with_a_note(tmp_path:
     notes: list[str] = []
     tables, _ = fit_logs([wrong, RS8], note=notes.append)
     assert [t.failed_checks for t in tables] == [29, 0]  # (of the sizes fitted: the two rows of 0 bytes are not)
-    assert notes == [f"the all_gather run in {wrong} has 29 measurements whose data check failed (#wrong not 0), "
+    assert [n for n in notes if "as outliers" not in n] == [f"the all_gather run in {wrong} has 29 measurements whose data check failed (#wrong not 0), "
                      "left out of the fit: a collective that delivers wrong data is a fault of the machine or the "
                      "run, worth a look before trusting its times"]
 
