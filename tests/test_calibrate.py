@@ -190,9 +190,10 @@ def test_measurements_whose_data_check_failed_are_left_out_with_a_note(tmp_path:
     notes: list[str] = []
     tables, _ = fit_logs([wrong, RS8], note=notes.append)
     assert [t.failed_checks for t in tables] == [29, 0]  # (of the sizes fitted: the two rows of 0 bytes are not)
-    assert [n for n in notes if "as outliers" not in n] == [f"the all_gather run in {wrong} has 29 measurements whose data check failed (#wrong not 0), "
-                     "left out of the fit: a collective that delivers wrong data is a fault of the machine or the "
-                     "run, worth a look before trusting its times"]
+    assert [n for n in notes if "as outliers" not in n] == [
+        f"the all_gather run in {wrong} has 29 measurements whose data check failed (#wrong not 0), "
+        "left out of the fit: a collective that delivers wrong data is a fault of the machine or the "
+        "run, worth a look before trusting its times"]
 
 
 def test_a_log_of_more_lines_than_any_run_holds_is_refused(tmp_path: Path) -> None:

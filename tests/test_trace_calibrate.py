@@ -260,6 +260,18 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
         done = run_main(*trace, *job)
         assert done.returncode == 2 and says in done.stderr and "the traces are not of the job given" in done.stderr
         assert not (tmp_path / "x.json").exists()
+    # one profiled step (a trial's trace cut to ProfilerStep#1, the slowest) was fitted as typical without a word
+    assert "profiled step" not in run_main("calibrate", "--trace", str(tmp_path / "p" / "rank0.json"), "--model",
+                                            "toy-llama", "--policy", "titan", "--out", str(out), "--force").stderr
+    data = json.loads((tmp_path / "p" / "rank0.json").read_text())
+    marks = sorted((e for e in data["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")),
+                   key=lambda e: e["ts"])
+    data["traceEvents"] = [e for e in data["traceEvents"] if not any(e is m for m in marks[1:])]
+    (tmp_path / "one.json").write_text(json.dumps(data))
+    done = run_main("calibrate", "--trace", str(tmp_path / "one.json"), "--model", "toy-llama", "--policy", "titan",
+                    "--out", str(out), "--force")
+    assert done.returncode == 0, done.stderr
+    assert "the traces hold 1 profiled step: the fit takes each as typical" in " ".join(done.stderr.split())
     # every step of every trace is checked: a rank's trace of the job beside one whose collectives are gone (a
     # distributed job's step with none; with another job's trace the fit pooled both: a new user's trial) is
     # refused, by calibrate and by simulate --against alike

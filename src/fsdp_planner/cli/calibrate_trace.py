@@ -15,7 +15,7 @@ from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
 from fsdp_planner.cli.paths import output_file
 from fsdp_planner.cli.requests import policy_request
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes, json_text
+from fsdp_planner.fmt import fmt_bytes, fmt_count, json_text
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster, Engine, parse_cluster
 from fsdp_planner.models import ModelSpec
@@ -23,6 +23,9 @@ from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
 
 MAX_TRACES = 64  # one per rank of a job of 64 ranks, or a few runs of fewer
+
+
+FEW_STEPS = 3  # profiled steps below which the fit has no middle third to keep (``trace_fit.typical_steps``)
 
 
 def run_trace(args: argparse.Namespace) -> int:
@@ -38,6 +41,10 @@ def run_trace(args: argparse.Namespace) -> int:
     out = output_file(args.out, "cluster.json", force=args.force, kind="cluster")
     assert out is not None
     traces = [read_trace(path) for path in args.trace]
+    if (profiled := sum(len(t.steps) for t in traces)) < FEW_STEPS:
+        render.note(f"the traces hold {fmt_count(profiled, 'profiled step')}: the fit takes each as typical, a "
+                    f"warm-up's or a slow step's time too; profile {FEW_STEPS} or more (torch.profiler's schedule, "
+                    "active=3), of which the middle third is fitted")
     options = SimOptions.named(args.precision)
     # the traced job ran the blocks its plan compiles compiled: what they fuse and save is traced so (--compile)
     spec = ModelSpec(args.trace_model, batch_size=args.batch, seq_len=args.seq,
