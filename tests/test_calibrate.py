@@ -300,6 +300,7 @@ def test_a_tensor_parallel_view_shares_the_node_s_network(tp: int) -> None:
     (["NVIDIA A100-SXM4-40GB"], "cannot tell which preset matches GPU 'NVIDIA A100-SXM4-40GB'"),
     (["NVIDIA H100 PCIe"], "cannot tell which preset matches GPU 'NVIDIA H100 PCIe'"),
     (["NVIDIA GH200 480GB"], "cannot tell which preset matches GPU 'NVIDIA GH200 480GB'"),
+    (["NVIDIA GH200 144G HBM3e"], "cannot tell which preset matches GPU 'NVIDIA GH200 144G HBM3e'"),
     (["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"], "the logs ran on different GPUs"),
 ])
 def test_a_gpu_no_preset_describes_needs_a_base(tmp_path: Path, names: list[str], says: str) -> None:

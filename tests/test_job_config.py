@@ -1039,3 +1039,17 @@ def test_an_fsdp1_hybrid_config_s_edit_says_its_mesh_by_strategy(tmp_path, capsy
     assert edit.get("fsdp_config.fsdp_sharding_strategy") in ("SHARD_GRAD_OP", "FULL_SHARD", "_HYBRID_SHARD_ZERO2")
     mesh = doc["best_edit"]["step"]["mesh"]
     assert ("HYBRID" in edit["fsdp_config.fsdp_sharding_strategy"]) == (mesh == "2x8"), (edit, mesh)
+
+
+@pytest.mark.integration  # auto's search of llama3-8b on 8 H100s beside the configured job: ~20 s
+def test_a_job_offloading_where_auto_needs_no_offload_says_so(tmp_path, capsys):
+    """``simulate --from-accelerate`` of a job with fsdp_offload_params where auto's plan fits without CPU offload
+    printed a "fit:" note beside the job's step and no conclusion (a trial read it as a stray): it says the job
+    need not offload and that ``plan`` writes the plan that does not."""
+    cfg = tmp_path / "offload.yaml"
+    cfg.write_text((EXAMPLES / "accelerate_fsdp.yaml").read_text().replace("fsdp_offload_params: false",
+                                                                           "fsdp_offload_params: true"))
+    assert main(["simulate", "llama3-8b", "--from-accelerate", str(cfg), "--cluster", "h100"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "fit: the job on h100:8 as auto plans it: auto's plan fits" in err
+    assert "the configuration offloads to the CPU, and auto's own plan of the same job fits without CPU offload" in err

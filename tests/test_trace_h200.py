@@ -189,6 +189,7 @@ def test_more_kernels_than_ops_are_no_other_job() -> None:
     several a convolution: more kernels than the plan's ops is no sign of another job; fewer is."""
     import dataclasses
 
+    from fsdp_planner.calibrate.kineto import Span
     from fsdp_planner.calibrate.trace_fit import PlanCounts, _kernel_problems
 
     step = read_trace(LLAMA_1B).steps[0]
@@ -197,6 +198,17 @@ def test_more_kernels_than_ops_are_no_other_job() -> None:
     assert _kernel_problems(flash, PlanCounts(339, 32, 0)) == []
     assert _kernel_problems(step, PlanCounts(339, 48, 16)) == ["a step of it runs 32 attention kernels where the "
                                                                "plan's runs 48 attention calls"]
+    # flash-linear-attention's backward recomputes its chunk states with forward kernels, checkpointed or not (a
+    # reviewer's case: a Qwen3-Next trace without checkpointing was refused as a checkpointed job's)
+    at = step.forward + 1e-4
+    fla = dataclasses.replace(step, spans=(*step.spans, *(Span(name, at, at + 1e-5, "compute") for name in (
+        "recompute_w_u_fwd_kernel", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "recompute_w_u_fwd_kda_kernel"))))
+    assert _kernel_problems(fla, PlanCounts(339, 32, 0)) == []
+    cudnn = dataclasses.replace(step, spans=(*step.spans, Span("cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
+                                                                at, at + 1e-5, "compute")))
+    assert _kernel_problems(cudnn, PlanCounts(339, 32, 0)) == ["its backward runs 1 forward attention kernel (a "
+                                                               "checkpointed job's recomputation) where the plan "
+                                                               "recomputes no attention"]
 
 
 @pytest.mark.integration

@@ -919,5 +919,10 @@ def test_a_run_that_changes_no_param_says_its_parity_proves_nothing(tmp_path):
                  "--precision", "fp32")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "no param changed in the 2 steps" in " ".join((r.stdout + r.stderr).split())
+    plan = tmp_path / "f1.json"  # (FSDP1's worker too)
+    assert run_main("plan", f"{factory}:build", "--policy", "order", "--target", "fsdp1", "--out", str(plan)
+                    ).returncode == 0
+    r = run_main("verify", f"{factory}:build", "--plan", str(plan), "--fsdp1", "--nproc", "2", "--steps", "2")
+    assert r.returncode == 0 and "no param changed in the 2 steps" in " ".join((r.stdout + r.stderr).split())
     r = run_main("verify", "seed-net", "--policy", "order", "--nproc", "2", "--steps", "1", "--precision", "fp32")
     assert r.returncode == 0 and "no param changed" not in r.stdout + r.stderr

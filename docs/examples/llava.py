@@ -4,10 +4,12 @@ fsdp-planner makes a step's inputs from a config alone for text models only; a f
 vision tower, the projector and the language model together.
 
     fsdp-planner plan docs/examples/llava.py:build --policy auto --cluster h100:8
-    LLAVA_CONFIG=path/to/config.json fsdp-planner plan docs/examples/llava.py:build --policy auto --cluster h100:64
+    LLAVA_CONFIG=path/to/config.json fsdp-planner plan docs/examples/llava.py:build --seq 2048 --policy auto \
+        --cluster h100:64
 
-``LLAVA_CONFIG`` names a LLaVA config.json (llava-hf/llava-1.5-7b-hf's plans 7,063,427,072 params); without it,
-a tiny one (CPU-sized: ``verify --nproc 2`` runs it). The vision tower is frozen, as LLaVA's fine-tuning keeps it.
+``LLAVA_CONFIG`` names a LLaVA config.json (llava-hf/llava-1.5-7b-hf's plans 7,063,427,072 params; its image is
+576 tokens of the sequence, so give --seq); without it, a tiny one (CPU-sized: ``verify --nproc 2`` runs it).
+The vision tower is frozen, as LLaVA's fine-tuning keeps it.
 """
 
 import json

@@ -69,12 +69,13 @@ class OpClass(Enum):
 # the outermost aten op of a CPU step, by name (composites included: aten::linear runs a matmul)
 CPU_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
               "aten::addbmm", "aten::einsum", "aten::_scaled_mm", "aten::conv2d", "aten::convolution"}
+# flash-linear-attention's gated delta rule and KDA kernels (fla/ops/gated_delta_rule, fla/ops/kda, fla/ops/common;
+# KDA's output through GLA's), what the simulator times at a share of the attention efficiency; their backward
+# recomputes chunk states with forward kernels whether or not the job checkpoints (``linear_attention.py``)
+LINEAR_ATTENTION_WORDS = ("delta_rule", "chunk_fwd_kernel_o", "chunk_bwd_kernel_", "wy_repr", "recompute_w_u",
+                          "scaled_dot_kkt", "solve_tril", "merge_16x16", "chunk_kda_", "chunk_gla_fwd_kernel_o")
 ATTENTION_WORDS = ("scaled_dot_product", "flash", "attention", "fmha", "attn", "efficient_attention",
-                   # flash-linear-attention's gated delta rule and KDA kernels (fla/ops/gated_delta_rule,
-                   # fla/ops/kda, fla/ops/common; KDA's output through GLA's), what the simulator times at a share of
-                   # the attention efficiency
-                   "delta_rule", "chunk_fwd_kernel_o", "chunk_bwd_kernel_", "wy_repr", "recompute_w_u",
-                   "scaled_dot_kkt", "solve_tril", "merge_16x16", "chunk_kda_", "chunk_gla_fwd_kernel_o")
+                   *LINEAR_ATTENTION_WORDS)
 # (not "conv" alone: cuDNN's attention backward converts dQ in "cudnn::fusion::convert_dq_to_16bits", a copy)
 GPU_MATMUL_WORDS = ("gemm", "cutlass", "xmma", "cublas", "matmul", "gemv", "sm90_", "sm80_", "ampere_", "hopper_",
                     "wgmma", "convolution", "convolve", "conv1d", "conv2d", "conv3d", "conv_depthwise",
@@ -356,9 +357,11 @@ BACKWARD_KERNEL_WORDS = ("bprop", "bwd", "backward", "cutlassb")
 
 
 def forward_kernel(name: str) -> bool:
-    """Whether a kernel's name says it is a forward one (an attention kernel's: see ``FORWARD_KERNEL_WORDS``)."""
+    """Whether a softmax attention kernel's name says it is a forward one (``FORWARD_KERNEL_WORDS``); never a
+    linear attention kernel's, whose backward runs forward ones of its own."""
     low = name.lower()
-    return any(w in low for w in FORWARD_KERNEL_WORDS) and not any(w in low for w in BACKWARD_KERNEL_WORDS)
+    return any(w in low for w in FORWARD_KERNEL_WORDS) and not any(w in low for w in BACKWARD_KERNEL_WORDS) and \
+        not any(w in low for w in LINEAR_ATTENTION_WORDS)
 
 
 def op_class(name: str, gpu: bool) -> OpClass:

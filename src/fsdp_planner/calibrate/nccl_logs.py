@@ -508,16 +508,19 @@ OTHER_VARIANTS = ("PCIE", "NVL")
 
 
 def _preset_for(gpu_name: str | None) -> str | None:
-    """The preset of the GPU a device line names: its kind by name, none of ``OTHER_VARIANTS``, and its memory
-    where the name says it (GH200's "480GB" is no H200)."""
+    """The preset of the GPU a device line names: its kind by name (not inside another's: GH200), none of
+    ``OTHER_VARIANTS``, and its memory where the name says it."""
     if not gpu_name:
         return None
     up = gpu_name.upper()
-    key = next((k for k in ("h200", "h100", "a100", "b200") if k.upper() in up), None)
+    # (a letter before the kind is another GPU: GH200 is no H200)
+    key = next((k for k in ("h200", "h100", "a100", "b200") if re.search(rf"(?<![A-Z]){k.upper()}", up)), None)
     if key is None or any(w in up for w in OTHER_VARIANTS):
         return None
-    sizes = re.findall(r"(\d+)\s*GB", up)
-    return key if not sizes or int(sizes[0]) == round(GPUS[key].memory_bytes / 1e9) else None
+    sizes = re.findall(r"(\d+)\s*GB?\b", up)
+    # the preset's memory, or the size its name gives (B200-180GB holds 192 GB)
+    known = {round(GPUS[key].memory_bytes / 1e9), *(int(x) for x in re.findall(r"(\d+)GB", GPUS[key].name))}
+    return key if not sizes or int(sizes[0]) in known else None
 
 
 def _base_from_logs(tables: Sequence[NcclTable]) -> Cluster:

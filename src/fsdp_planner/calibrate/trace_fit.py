@@ -41,7 +41,7 @@ import numpy as np
 from fsdp_planner.calibrate.kineto import MeasuredTrace, OpClass, Step, forward_kernel, op_class
 from fsdp_planner.calibrate.nccl_logs import fit_samples
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fmt import fmt_bytes, fmt_count
 from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
@@ -536,8 +536,8 @@ def _kernel_problems(step: Step, counts: PlanCounts) -> list[str]:
     again = sum(1 for sp in step.spans if sp.lane == "compute" and sp.start >= step.forward
                 and op_class(sp.name, True) is OpClass.ATTENTION and forward_kernel(sp.name))
     if again and not counts.recomputed_attention:
-        problems.append(f"its backward runs {again:,} forward attention kernels (a checkpointed job's recomputation) "
-                        "where the plan recomputes no attention")
+        problems.append(f"its backward runs {fmt_count(again, 'forward attention kernel')} (a checkpointed job's "
+                        "recomputation) where the plan recomputes no attention")
     return problems
 
 

@@ -195,8 +195,8 @@ def _ac_change(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, au
         return []
     ok = new.ac is not None and not offloaded and (new.ac in REGISTRY_AC if cfg.registry else
                                                    cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
-    said = _ac_text(cfg, new.ac, auto) + (f" + {fmt_count(offloaded, 'block')}' activations offloaded to the host"
-                                          if offloaded else "")
+    owners = "1 block's" if offloaded == 1 else f"{offloaded:,} blocks'"
+    said = _ac_text(cfg, new.ac, auto) + (f" + {owners} activations offloaded to the host" if offloaded else "")
     return [Change(cfg.key("ac"), _ac_text(cfg, old.ac, config_plan), said, ok)]
 
 

@@ -2,7 +2,7 @@
 and FSDP. Its figures are the memory model's *allocated* peaks of each strategy without activation checkpointing
 (FSDP: one group per param-owning module, about the least FSDP holds); ``plan`` simulates a plan and prints its
 allocated peak and what the caching allocator reserves beyond it (the collective streams' pools), which is what
-auto holds to the budget. The command says so under its table, with the budget.""" 
+auto holds to the budget. The command says so under its table, with the budget."""
 
 from __future__ import annotations
 

@@ -167,6 +167,10 @@ def _verdict(args: argparse.Namespace, from_config: bool, tr: Trace, plan: Plan,
     if verdict is None and not budget.fits(report.reserved_memory):  # (the fit: note above is auto's own plan)
         render.note("the configuration as given is over the budget (below), and auto's own plan of the same job "
                     "fits (the fit: line above): `fsdp-planner plan` with the same options writes it")
+    elif verdict is None:  # (it offloads: a trial read the fit: line as a stray, its step beside none of this job's)
+        render.note("the configuration offloads to the CPU, and auto's own plan of the same job fits without CPU "
+                    "offload (the fit: line above, its step beside this one's below): `fsdp-planner plan` with the "
+                    "same options writes it")
     return verdict
 
 

@@ -67,7 +67,8 @@ def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tu
 def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
     """Replace sets of modules that cover a whole subtree's param-owning modules by the subtree's root, so a group
     reads ``[layers.3]`` instead of its 9 leaves (same params, one hook). The root module is never used, nor is a
-    module with a module below it called outside its parent (``not_enclosing``): its hooks would not run around
+    module whose calls do not enclose a call below it (``not_enclosing``: a module below called while it is not
+    running, through a method or another parent): its hooks would not run around
     that call, which would read the group's params sharded (and FSDP2 hooks no listed module below another); nor
     a module of ``Trace.cast_inputs`` or one above it: FSDP2 casts its inputs only while it is listed and hooked,
     so no module above it is listed beside it."""

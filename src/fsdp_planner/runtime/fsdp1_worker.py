@@ -24,7 +24,15 @@ from fsdp_planner.apply.fsdp1 import clean_name, fsdp1_kwargs, wrapped_units
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.patching import patched
 from fsdp_planner.runtime.rank import run_rank
-from fsdp_planner.runtime.worker import MOMENTUM, CollectiveCounter, build_job, parity, train_steps
+from fsdp_planner.runtime.worker import (
+    MOMENTUM,
+    CollectiveCounter,
+    build_job,
+    fingerprints,
+    params_changed,
+    parity,
+    train_steps,
+)
 
 
 @contextmanager
@@ -49,12 +57,13 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=job["lr"], momentum=MOMENTUM)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=job["lr"],
                               momentum=MOMENTUM)
+    before = fingerprints(reference) if rank == 0 else []
     result = train_steps(job, model, reference, opt, ref_opt, device, rank, world, counting_list_all_gather)
     ref_params = dict(reference.named_parameters())
     with FullyShardedDataParallel.summon_full_params(model):
         checked = parity((clean_name(name), p, ref_params[clean_name(name)]) for name, p in model.named_parameters()
                          ) if rank == 0 else {}
-    return {**result, **checked}
+    return {**result, **checked, **({"params_changed": params_changed(before, reference)} if rank == 0 else {})}
 
 
 def _run(job: dict, device: torch.device, rank: int, world: int) -> None:

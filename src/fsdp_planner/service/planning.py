@@ -303,7 +303,7 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         policy = make_policy(request, cluster, options, layouts)
         assert isinstance(policy, AutoPolicy)
         searched = policy.search(tr, spec.name)
-        own = request.ep is None and expert_modules(tr) and not token_list_experts(tr) is not None
+        own = request.ep is None and expert_modules(tr) and token_list_experts(tr) is None
 
         def screened(found: AutoResult, note: Callable[[str], None] | None) -> AutoResult:
             if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
@@ -832,11 +832,13 @@ def padding_note(tr: Trace, shard: int) -> str | None:
     moved = shard_dims(tr, shard, ShardPlacement.AUTO)
     if not moved or padded < PADDING_SAID * whole:
         return None
+    after = sum((p.nbytes if p.fqn in moved else p.padded_numel(shard) * p.itemsize) for p in tr.params)
     worst = max((p for p in tr.params if p.fqn in moved), key=lambda p: p.padded_numel(shard) - p.numel)
     return (f"FSDP2 shards each param on dim 0, padded to a multiple of its {shard:,} ranks: its all-gathers move "
             f"{padded / whole:.1f}x the params' bytes ('{worst.fqn}', {' x '.join(f'{d:,}' for d in worst.shape)}, "
             f"{worst.padded_numel(shard) / worst.numel:.0f}x); --shard-placement auto shards {len(moved):,} such "
-            "params on dim 1, which divides (FSDP2's shard_placement_fn, as torchtitan places its experts)")
+            f"params on dim 1, which divides: {after / whole:.1f}x (FSDP2's shard_placement_fn, as torchtitan places "
+            "its experts)")
 
 
 def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -> list[Row]:

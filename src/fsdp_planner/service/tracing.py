@@ -543,9 +543,9 @@ def token_loop_note(tr: Trace, seq_len: int | None) -> str | None:
         return None
     n, cls = max(looped)
     return (f"{cls} runs {n / calls[cls]:,.0f} ops a call ({n / calls[cls] / seq_len:.1f} a token of {seq_len:,}; "
-            f"{n / sum(ops.values()):.0%} of the forward's ops): a loop over the tokens in the model's own code, each "
-            "op a kernel launch on a GPU too. The step is priced as that code runs; a fused kernel for it would take "
-            "a small part of that time")
+            f"{n / sum(ops.values()):.0%} of the forward's ops): a Python loop in the model's own code (over the "
+            "tokens, where its ops grow with the sequence), each op a kernel launch on a GPU too. The step is priced "
+            "as that code runs; a fused kernel for it would take a small part of that time")
 
 
 def routing_note(spec: ModelSpec, consulted: int) -> str | None:

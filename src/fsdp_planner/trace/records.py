@@ -88,9 +88,9 @@ class Trace:
     # dim) activations sequence parallelism shards, on which funcol's all-gather copies only past 1
     # (``sim/tensor_parallel.py``); 0: no fused attention seen
     stood_in: tuple[str, ...] = ()  # the modules a data-dependent op ran in as the balanced-routing stand-in
+    # (``routing.py``), sorted ("" the root): where a real step's shapes may differ from rank to rank
     offset_rows: tuple[str, ...] = ()  # the modules a ``torch._grouped_mm`` of 2-D rows split by offsets ran in
     # (torchtitan's GroupedExperts' form: the layer's token list, not an (experts, rows, dim) block)
-    # (``routing.py``), sorted ("" the root): where a real step's shapes may differ from rank to rank
 
     @property
     def traced_itemsize(self) -> int:
