@@ -325,3 +325,18 @@ def test_the_llava_example_plans_and_trains_its_towers_and_language_model():
     r = subprocess.run([sys.executable, "-m", "fsdp_planner", "plan", "docs/examples/llava.py:build", "--policy",
                         "titan"], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0 and "Failed to load" not in r.stderr and "register_constant" not in r.stderr, r.stderr
+
+
+def test_a_backbone_config_planned_with_a_classifier_says_so(tmp_path, capsys):
+    """DINOv2's config names Dinov2Model, a backbone: it was planned as transformers' image classifier, a 2-class
+    head past the published count, with no word (a trial). Said with the head's params; a classifier's config
+    (ViTForImageClassification) has no such note."""
+    small = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128,
+             "image_size": 32, "patch_size": 8}
+    dino = _config(tmp_path, "dinov2", {"model_type": "dinov2", "architectures": ["Dinov2Model"], **small})
+    assert main(["plan", dino, "--policy", "module", "--batch", "2"]) == 0
+    assert "the config names Dinov2Model, no classifier: planned as transformers' image classifier of it, with a " \
+        "2-class head (258 params)" in " ".join(capsys.readouterr().err.split())  # (2 x 2 x 64 + 2: CLS and patches)
+    vit = _config(tmp_path, "vit", {"model_type": "vit", "architectures": ["ViTForImageClassification"], **small})
+    assert main(["plan", vit, "--policy", "module", "--batch", "2"]) == 0
+    assert "no classifier" not in capsys.readouterr().err

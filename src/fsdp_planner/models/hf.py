@@ -390,15 +390,25 @@ IMAGENET_SIZE = 224  # the crop of ImageNet training, which a CNN config without
 
 
 def image_note(model: nn.Module) -> str | None:
-    """Said, not silent: the resolution an image classifier whose config has no ``image_size`` is planned at."""
+    """Said, not silent: the resolution an image classifier whose config has no ``image_size`` is planned at, and
+    the head a backbone's config (``architectures`` naming no classifier: DINOv2's ``Dinov2Model``) is planned with
+    (a trial read 4,098 params past the published count)."""
     config = getattr(model, "config", None)
     if config is None or task_of(config) is not HfTask.IMAGE_CLASSIFICATION:
         return None
+    said = []
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(str(a).endswith("ForImageClassification") for a in archs):
+        head = getattr(model, "classifier", None)
+        numel = sum(p.numel() for p in head.parameters()) if isinstance(head, nn.Module) else 0
+        said.append(f"the config names {archs[0]}, no classifier: planned as transformers' image classifier of it, "
+                    f"with a {config.num_labels}-class head ({numel:,} params) and its cross-entropy loss")
     image = getattr(config, "vision_config", None) or config
-    if hasattr(image, "image_size"):
-        return None
-    return (f"the {config.model_type} config gives no image size (its preprocessor does): planned at "
-            f"{IMAGENET_SIZE}x{IMAGENET_SIZE}, ImageNet's crop; for another, add \"image_size\": N to the config file")
+    if not hasattr(image, "image_size"):
+        said.append(f"the {config.model_type} config gives no image size (its preprocessor does): planned at "
+                    f"{IMAGENET_SIZE}x{IMAGENET_SIZE}, ImageNet's crop; for another, add \"image_size\": N to the "
+                    "config file")
+    return "; ".join(said) or None
 
 
 def mtp_note(model: nn.Module) -> str | None:
