@@ -321,13 +321,15 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport, offl
     host = [f"optimizer step on the CPU at {cluster.cpu_optimizer_rate / 1e6:,.1f} M elements/s per rank "
             f"({escape(cluster.cpu_optimizer_source)}{'' if given else '; --cpu-optimizer-rate to give yours'})"] \
         if r.cpu_optimizer_time else []
+    device = "ranks' CPUs" if cluster.engine is Engine.HOST else "GPU"
     return [
         f"[bold]{escape(name)}[/bold] with [bold]{escape(plan_label)}[/bold] on {escape(cluster.describe())}",
         f"step time {fmt_time(r.step_time)}  compute {fmt_time(r.compute_time)}"
         f"{f' (recompute {fmt_time(r.recompute_time)})' if r.recompute_time else ''}"
         # the optimizer step after backward (on the host under CPUOffloadPolicy) is part of the step time
         f"{f'  optimizer step on the CPU {fmt_time(r.cpu_optimizer_time)}' if r.cpu_optimizer_time else ''}"
-        f"{f'  optimizer step on the GPU {fmt_time(r.gpu_optimizer_time)}' if r.gpu_optimizer_time else ''}"
+        # (a gloo cluster's ranks are CPU processes: their own optimizer step is no GPU's)
+        f"{f'  optimizer step on the {device} {fmt_time(r.gpu_optimizer_time)}' if r.gpu_optimizer_time else ''}"
         f"  exposed comm "
         f"{fmt_time(r.exposed_comm)}  {copies} {fmt_time(r.copy_time)}  waiting for the host "
         f"{fmt_time(r.host_wait)} (host busy {fmt_time(r.host_time)}, {r.hooks} hooks)  lower bound "
