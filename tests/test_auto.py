@@ -430,7 +430,8 @@ def test_a_block_checkpointed_in_full_is_no_longer_checkpointed_op_level():
     """Auto's searches ask for full checkpointing of some blocks keeping the op-level ones "as they are": a block
     moved to full stayed op-level too, and the plan listed it both ways, which every command then refused
     (torchtitan's 405B job planned from its config: 26 blocks so, "111 full + 38 op-level" of 126). A block is
-    checkpointed one way: the evaluator's plans are valid, with the op-level blocks the full ones left."""
+    checkpointed one way: the evaluator's plans are valid, with the op-level blocks the full ones left, and a later
+    view with fewer in full has the others op-level again."""
     from fsdp_planner.choices import SacPolicy
     from fsdp_planner.fsdp2.checkpointing import check_checkpointing
 
@@ -438,8 +439,9 @@ def test_a_block_checkpointed_in_full_is_no_longer_checkpointed_op_level():
     blocks = [f"layers.{i}" for i in range(4)]
     ev = Evaluator(tr, parse_cluster("h100:8"), SimOptions(), Target.FSDP2, "toy-llama", budget=UNBOUNDED,
                    selective=dict.fromkeys(blocks, SacPolicy.TITAN))
-    moved = ev.checkpointing(blocks[:3])
-    assert list(moved.selective) == blocks[3:] and moved.checkpointed == tuple(blocks[:3])
+    moved = ev.checkpointing(blocks[:3])  # (the op-level ones as they are: the view keeps all four)
     plan = moved.evaluate(ev.build([plan_atoms(tr, whole_blocks=True)]), "test").plan
     check_checkpointing(plan, tr)
     assert plan.activation_checkpointing == tuple(blocks[:3]) and list(plan.selective_checkpointing) == blocks[3:]
+    fewer = moved.checkpointing(blocks[:1]).evaluate(ev.build([plan_atoms(tr, whole_blocks=True)]), "test").plan
+    assert fewer.activation_checkpointing == tuple(blocks[:1]) and list(fewer.selective_checkpointing) == blocks[1:]

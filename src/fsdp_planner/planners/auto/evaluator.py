@@ -75,15 +75,12 @@ class Evaluator:
 
     def checkpointing(self, modules: Sequence[str], selective: Mapping[str, SacPolicy] | None = None) -> Evaluator:
         """This evaluator with every plan checkpointing ``modules`` in full (and ``selective`` op-level; None: the
-        op-level ones as they are, but those now checkpointed in full: a module is checkpointed one way, and a plan
-        listing one both ways is refused: torchtitan's 405B job planned from its config listed 26 blocks so); the
-        plans simulated (``seen``, the cache) are shared, so a plan is simulated once whichever setting asked for
-        it."""
+        op-level ones as they are: a module in both is checkpointed in full, ``with_checkpointing``); the plans
+        simulated (``seen``, the cache) are shared, so a plan is simulated once whichever setting asked for it."""
         view = copy.copy(self)
         view.checkpointed = tuple(modules)
-        full = set(modules)
-        view.selective = {m: p for m, p in (self.selective if selective is None else selective).items()
-                          if m not in full}
+        if selective is not None:
+            view.selective = dict(selective)
         return view
 
     def fits(self, c: Candidate) -> bool:
@@ -118,14 +115,15 @@ class Evaluator:
     def with_checkpointing(self, plan: Plan) -> Plan:
         """``plan`` checkpointing ``self.checkpointed``, less the modules a group lies inside where that cannot
         be (``inside_selective``: op-level ones; in full, under FSDP1, whose hooks in the recomputation are not
-        replayed)."""
+        replayed). A module both in full and op-level is checkpointed in full: a plan lists it one way (torchtitan's
+        405B job planned from its config listed 26 blocks both ways, a plan every command then refused)."""
         if self.offloaded and plan.activation_offloading != self.offloaded:
             plan = replace(plan, activation_offloading=self.offloaded)  # groups inside them do not matter
         if not (self.checkpointed or self.selective or plan.activation_checkpointing or plan.selective_checkpointing):
             return plan
         blocked = {a for g in plan.groups for m in g.modules for a in proper_ancestors(m)}
         ac = tuple(m for m in self.checkpointed if self.target is Target.FSDP2 or m not in blocked)
-        sac = {m: p for m, p in self.selective.items() if m not in blocked}
+        sac = {m: p for m, p in self.selective.items() if m not in blocked and m not in ac}
         if ac == plan.activation_checkpointing and sac == plan.selective_checkpointing:
             return plan
         return replace(plan, activation_checkpointing=ac, selective_checkpointing=sac)
