@@ -286,8 +286,10 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
         raise PlannerError(f"fully_shard refuses containers without forward (ModuleList/ModuleDict): "
                            f"{short_list(containers)}; list their children in the group instead")
     if refused:
-        raise PlannerError(f"these modules modify their own inputs in place, which FSDP2's hook on a sharded "
-                           f"module's inputs refuses: {short_list(refused)}; shard their children instead")
+        raise PlannerError(f"these modules change their own inputs (an in-place op on a tensor, or a pop from a "
+                           f"list they are given), which FSDP2's handling of a sharded module's inputs breaks "
+                           f"(autograd refuses the first; the second changes a copy their caller never sees): "
+                           f"{short_list(refused)}; shard their children instead")
     unknown = sorted({m for m, _ in plan.forward_methods} - set(trace.modules))
     if unknown:
         raise PlannerError(f"plan 'forward_methods' names modules the model does not have: {short_list(unknown)}")

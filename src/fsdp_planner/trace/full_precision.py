@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
+from fsdp_planner.trace.leaves import into_callers
+
 
 def subtree_params(modules: Mapping[str, nn.Module], names: Iterable[str]) -> set[int]:
     """``id`` of every param of the named modules and their submodules: what their fp32 groups keep in fp32."""
@@ -39,7 +41,7 @@ def full_precision_casts(modules: Mapping[str, nn.Module], names: Iterable[str],
         return
 
     def cast_in(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return _cast(torch.float32, (args, kwargs))  # type: ignore[return-value]
+        return into_callers((args, kwargs), _cast(torch.float32, (args, kwargs)))  # type: ignore[return-value]
 
     def cast_out(module: nn.Module, args: tuple, output: object) -> object:
         return _cast(compute, output)

@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.failures import mark
-from fsdp_planner.trace.leaves import ATOMS, flat_leaves
+from fsdp_planner.trace.leaves import ATOMS, containers, flat_leaves, into_callers
 from fsdp_planner.trace.step import Slot
 from fsdp_planner.trace.tree import proper_ancestors
 from fsdp_planner.trace.walk import ModuleWalk
@@ -58,8 +58,10 @@ class ModuleHooks:
         self.modules = list(walk.modules.values())
         self.name = {m: n for n, m in walk.modules.items()}  # a module registered twice keeps its first name
         self.holders = _holders(walk)
-        # per running call (pushed by pre_forward, popped by post_forward): its marked inputs and their versions
+        # per running call (pushed by pre_forward, popped by post_forward): its marked inputs and their versions,
+        # and the lists and dicts it was given with their lengths
         self.watched: list[tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None] = []
+        self.sized: list[list[tuple[Any, int]]] = []
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -91,6 +93,7 @@ class ModuleHooks:
         else:
             inputs = collect_grad_tensors((args, kwargs))
         call = recorder.enter_forward(fqn, bool(inputs), held, kept, made)
+        self.sized.append([] if flat else [(c, len(c)) for c in containers((args, tuple(kwargs.values())))])
         if not inputs:
             self.watched.append(None)
         else:
@@ -105,8 +108,8 @@ class ModuleHooks:
             outs = iter([alias[id(t)] for t in inputs])
             if flat:
                 args = tuple(next(outs) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
-            else:
-                args, kwargs = replace_grad_tensors((args, kwargs), outs)
+            else:  # (the caller's lists and dicts kept, their tensors swapped in place: ``leaves.into_callers``)
+                args, kwargs = into_callers((args, kwargs), replace_grad_tensors((args, kwargs), outs))
         return args, kwargs
 
     @bookkeeping
@@ -118,9 +121,12 @@ class ModuleHooks:
         if failure is not None and output is None:  # always_call: the call raised (torch runs this in its except)
             mark(failure, None, fqn, type(module).__name__)
         watched = self.watched.pop() if self.watched else None
-        if watched is not None and any(t._version != v for t, v in zip(*watched, strict=True)):
-            # an in-place op wrote the call's input (an alias sharing its version counter); with FSDP2's
-            # function on these inputs, autograd would have refused it
+        sized = self.sized.pop() if self.sized else []
+        if (watched is not None and any(t._version != v for t, v in zip(*watched, strict=True))) or \
+                any(len(c) != n for c, n in sized):
+            # an in-place op wrote the call's input (an alias sharing its version counter): with FSDP2's function on
+            # these inputs, autograd would have refused it; or the call popped from (appended to) a list or dict it
+            # was given, a copy of which FSDP2 gives a sharded module's call: the caller would not see it
             recorder.modified_input(fqn)
         grads = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
                  for t in collect_grad_tensors(output)} if torch.is_grad_enabled() else {}

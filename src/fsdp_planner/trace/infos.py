@@ -58,7 +58,8 @@ class ModuleInfo:
     first_use: int = -1  # first forward op run inside its subtree that read a param; -1 if none
     shardable: bool = True  # False: a ModuleList/ModuleDict without its own forward, which fully_shard refuses, or
     # a module managing params whose call modifies its grad-requiring inputs in place, which FSDP2's post-backward
-    # function on them makes autograd refuse (see summary._fsdp2_refuses_inplace)
+    # function on them makes autograd refuse (see summary._fsdp2_refuses_inplace), or pops from (appends to) a list
+    # its caller gave it, of which FSDP2's pre-forward gives the call a copy (``hooks.ModuleHooks.post_forward``)
     torch_class: str = ""  # "Linear" / "Embedding" for an instance of nn.Linear / nn.Embedding (a subclass too):
     # the modules torch's ColwiseParallel and RowwiseParallel shard; "" for any other
     plain_torch_class: bool = False  # an instance of ``torch_class`` itself, not a subclass (float8 converts only

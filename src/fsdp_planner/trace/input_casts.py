@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
+from fsdp_planner.trace.leaves import into_callers
 from fsdp_planner.trace.tree import ROOT, proper_ancestors
 
 
@@ -40,7 +41,7 @@ def group_input_casts(modules: Mapping[str, nn.Module], full_precision: Collecti
                 changed = True
                 return t.to(compute)
 
-            out = tree_map_only(torch.Tensor, one, (args, kwargs))
+            out = into_callers((args, kwargs), tree_map_only(torch.Tensor, one, (args, kwargs)))
             if changed and name not in cast:
                 cast.append(name)
             return out  # type: ignore[return-value]
