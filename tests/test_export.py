@@ -321,6 +321,43 @@ def test_torchtitan_parallelize_fn_shards_torchtitan_s_module_names(tmp_path) ->
     finally:
         dist.destroy_process_group()
 
+def test_torchtitan_export_converts_float8_before_the_model_s_own_tp() -> None:
+    """torchtitan's Decoder lays out its TP itself (``model.parallelize(parallel_dims)``), which the export's
+    parallelize_fn calls first; its float8 conversion ran after, and torchao's swap of a Linear TP had parallelized
+    dropped TP's hooks: the forward mixed a Tensor with DTensors (a trial's 70B TP 8 float8 export). It converts
+    first: on 4 fake ranks (TP 2) the feed-forwards are float8 Linears holding TP's shards, and a step runs."""
+    pytest.importorskip("torchao")
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchao.float8.float8_linear import Float8Linear
+
+    from fsdp_planner import api
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+    from titan_decoder import TitanDecoder, titan_decoder
+
+    class OwnTP(TitanDecoder):
+        def parallelize(self, parallel_dims: TitanDims) -> None:  # (torchtitan's Decoder.parallelize, its MLPs)
+            for block in self.layers.values():
+                parallelize_module(block.feed_forward, parallel_dims.get_mesh("tp"),
+                                   {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
+
+    plan = api.plan("toy-llama", policy="titan", tp=2, float8="tensorwise", cluster="h100:4")
+    scope: dict = {}
+    exec(compile(export_plan(plan, ExportFormat.TORCHTITAN), "exported.py", "exec"), scope)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model, (tokens,) = titan_decoder()
+        model.__class__ = OwnTP
+        scope["parallelize_fn"](model, parallel_dims=TitanDims(4, tp=2))
+        w1 = model.layers["0"].feed_forward.w1
+        assert isinstance(w1, Float8Linear) and "tp" in w1.weight.device_mesh.mesh_dim_names
+        model(tokens).sum().backward()  # (fake collectives: runs, values not compared)
+    finally:
+        dist.destroy_process_group()
+
+
 TINY = """import torch
 import torch.nn as nn
 

@@ -1185,5 +1185,7 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
                              (titan.TARGETS_LINE, titan.TITAN_TARGETS_LINE)):
         body = body.replace(line, titan_line, 1)
     tail += titan.TAIL.replace("{names}", py_literal(titan.TORCHTITAN_NAMES))
+    if plan.float8 is not None:
+        tail = tail.replace(titan.MODEL_TP_LINE, titan.FLOAT8_MODEL_TP_LINE, 1)
     constants += titan.PLAN_CONSTANT.format(plan=py_literal(plan.to_json()))
     return header + constants + body + tails + tail + torchtitan_job(plan, precision, py_literal)

@@ -38,6 +38,11 @@ SHARD_DIMS_LINE = ("    dims = {id(p): SHARD_DIMS[n] for n, p in model.named_par
                    "if n in SHARD_DIMS}\n")
 TITAN_SHARD_DIMS_LINE = "    dims = TorchtitanModules(model.named_modules()).shard_dims(SHARD_DIMS)\n"
 TP_LINE = "    tensor_parallel(model, tp_mesh)\n"
+MODEL_TP_LINE = "        model.parallelize(parallel_dims)\n"
+# float8 before the model's own TP: torchao's swap of a Linear TP has parallelized drops TP's hooks, and its forward
+# then mixes a Tensor with DTensors (a trial's 70B TP 8 float8 export); ``convert_float8`` skips a converted model
+FLOAT8_MODEL_TP_LINE = "        convert_float8(model)  # before the model's TP, whose hooks torchao's swap drops\n" + \
+    MODEL_TP_LINE
 TITAN_TP_LINE = """    if not tp_sharded(model):  # torchtitan's own model lays out its TP itself (parallelize_fn)
         tensor_parallel(model, tp_mesh)
 """
