@@ -6,6 +6,7 @@ process group with FSDP2's and DTensor's collectives counted apart, beside the s
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import subprocess
 import sys
@@ -403,3 +404,27 @@ def test_export_refuses_a_layout_check_refuses(tmp_path: Path) -> None:
         assert said in exported.stderr and said in checked.stderr, exported.stderr
         assert not code.exists()
     assert run_main("export", str(made), "--format", "python", "--out", str(tmp_path / "ok.py")).returncode == 0
+
+
+@pytest.mark.parametrize(("backend", "said"), [("gloo", True), ("nccl", False)])
+def test_async_tp_is_switched_on_where_it_runs_and_said_where_it_does_not(toy, backend: str, said: bool) -> None:
+    """A plan's async TP was simulated and exported, but ``apply_plan`` never switched it on: ``verify --async-tp``
+    said "async" and ran TP synchronous (a trial). apply_tp switches it on for CUDA meshes, as torchtitan does
+    (symmetric memory); gloo's CPU ranks cannot run it, and verify says so beside its result."""
+    import torch._inductor.config
+
+    from fsdp_planner.apply.tensor_parallel import async_tp_runs
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.runtime.verify import JobSteps, VerifyJob, job_result
+    from fsdp_planner.sim.options import PRECISIONS
+
+    assert async_tp_runs("cuda") and not async_tp_runs("cpu")
+    plan = tp_plan(toy)
+    plan = plan.replace(tensor_parallel=dataclasses.replace(plan.tensor_parallel, async_tp=True))
+    job = VerifyJob(ModelSpec("toy-llama"), plan, 4, PRECISIONS["fp32"], False, 60.0, JobSteps(steps=1))
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    data = {"world": 4, "backend": backend, "counted": [counts], "counted_bytes": [counts], "losses": [1.0],
+            "reference_losses": [1.0], "max_abs_diff": 0.0}
+    notes = job_result(job, data, 0, counts, counts).notes
+    assert any("these gloo ranks ran the plan's TP synchronous" in n for n in notes) is said
+    assert torch._inductor.config._micro_pipeline_tp is False  # (no CUDA mesh here switched it on)

@@ -296,6 +296,29 @@ def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel
     _check_rope_keys(model, tp)
     parallelize_module(model, tp_mesh, torch_plan(model, tp, float8, loss_head))
     apply_own_styles(model, tp, tp_mesh)
+    if tp.async_tp and async_tp_runs(tp_mesh.device_type):
+        enable_async_tp(tp_mesh)
+
+
+def async_tp_runs(device_type: str) -> bool:
+    """Whether async TP runs on ranks of ``device_type``: compile fuses TP's collectives with their matmuls through
+    CUDA's symmetric memory; elsewhere (gloo's CPU ranks) the plan's TP runs synchronous."""
+    return device_type == "cuda"
+
+
+def enable_async_tp(tp_mesh: Any) -> None:
+    """torchtitan's switch (distributed/compile.py): inductor's micro-pipelined TP, symmetric memory on TP's group
+    (its registration is deprecated in torch 2.13, which needs it no longer; torchtitan still makes it). The plan's
+    async TP was simulated, exported, and dropped by apply: a trial's ``verify --async-tp`` ran synchronous TP."""
+    import warnings
+
+    import torch._inductor.config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 def split_mesh(mesh: Any, plan: Plan) -> tuple[Any, Any]:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from fsdp_planner.apply.tensor_parallel import async_tp_runs
 from fsdp_planner.choices import DEFAULT_PRECISION, REDUCE_BYTES, GradientSync, ReduceDtype
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
@@ -606,6 +607,11 @@ def job_result(job: VerifyJob, data: dict[str, Any], returncode: int, predicted:
     notes = []
     if returncode != 0:
         notes.append(f"torchrun exited {returncode} after the results were written (exit noise ignored)")
+    tp = job.plan.tensor_parallel
+    if tp is not None and tp.async_tp and not async_tp_runs("cuda" if data["backend"] == "nccl" else "cpu"):
+        notes.append(f"async TP needs CUDA's symmetric memory: these {data['backend']} ranks ran the plan's TP "
+                     "synchronous (its collectives and parity are the same; on NCCL ranks apply_plan switches it "
+                     "on, as torchtitan does)")
     if data.get("params_changed") == 0:
         notes.append(f"no param changed in the {job.train.steps} steps (every gradient zero, or a learning rate of "
                      "0): the parity check holds whatever the plan does, and proves nothing of it")
