@@ -1235,3 +1235,16 @@ def test_a_wide_normed_attention_viewed_into_a_fixed_head_count_is_judged():
         assert isinstance(fixed, tn.Mismatch) and fixed.error > 0.01, (width, fixed)
         own = tn.check_module("b", Block(width, heads=None, head_dim=16).to("meta"), styles, 2, args, {})
         assert own is None, (width, own)
+
+
+def test_a_loss_loss_parallel_cannot_run_fails_with_the_way_out(capsys):
+    """A masked mean of the per-token cross-entropy under --tp's default loss parallel failed on fake ranks with
+    "aten.mul at the model's top level raised ... mixed torch.Tensor and DTensor" and no word of why (a trial): the
+    error says the loss runs on vocabulary-sharded logits and names --no-loss-parallel, with which it runs."""
+    from fsdp_planner.cli import main
+
+    spec = "tests/fixtures/tp_detected.py:toy_llama_masked_loss"
+    argv = ["verify", spec, "--policy", "titan", "--tp", "2", "--fake-world-size", "4"]
+    assert main(argv) == 2
+    assert "plan with --no-loss-parallel for this loss" in " ".join(capsys.readouterr().err.split())
+    assert main([*argv, "--no-loss-parallel"]) == 0

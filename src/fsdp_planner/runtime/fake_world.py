@@ -78,7 +78,7 @@ from fsdp_planner.runtime.fake_build import FakeModel, build_fake
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import OPTIMIZERS, GradientSync, Optimizer, ZeroGrad
 from fsdp_planner.sim.simulate import StepReport
-from fsdp_planner.trace.failures import check_operand_dtypes, failed_at, first_line, mark, op_name
+from fsdp_planner.trace.failures import FailedOp, check_operand_dtypes, failed_at, first_line, mark, op_name
 from fsdp_planner.trace.recorder import split_inputs
 from fsdp_planner.trace.tree import ROOT
 from fsdp_planner.workspaces import workspace_bytes
@@ -605,7 +605,18 @@ class FakeTraining:
             # the planner's own refusal (apply's) is a sentence written for the user: whole, not cut at 200
             said = first_line(e, MAX_MESSAGE if isinstance(e, PlannerError) else 200)
             raise PlannerError(f"'{self.spec.name}' failed under real FSDP2 on fake ranks: {where}"
-                               f"{type(e).__name__}: {said}") from e
+                               f"{type(e).__name__}: {said}{self._loss_parallel_hint(e, failed)}") from e
+
+    def _loss_parallel_hint(self, e: BaseException, failed: FailedOp | None) -> str:
+        """What to do where the loss failed under loss parallel: its logits are DTensors sharded over the vocabulary,
+        and a loss mixing them with plain tensors (a mask's mean, label smoothing's fill) fails there (a trial's two
+        losses, whose error said nothing of it)."""
+        tp = self.plan.tensor_parallel
+        outside = failed is None or failed.module == ROOT
+        if tp is None or not tp.loss_parallel or not outside or "DTensor" not in str(e):
+            return ""
+        return ("; the loss runs under loss parallel (--tp's default: the logits sharded over the vocabulary), "
+                "which takes torch's cross-entropy over them alone: plan with --no-loss-parallel for this loss")
 
     def result(self, world_size: int, counts: Counts, nbytes: Counts, seconds: float) -> FakeWorldResult:
         """The last step's figures; with offload (of params or activations) the device's share is the peak. TP's
