@@ -127,9 +127,11 @@ def _patches(source: str) -> list[int]:
 
 # Installed for the life of the process on purpose, never undone: a closed stdout/stderr replaced by the null
 # device, transformers' packed-sequence check answering meta and fake tensors (real ones asked as before), a
-# forked rank's temp directory put back as a fresh interpreter has it, and a launcher forked by the zygote made what
-# a fresh one is (its stdout and stderr, temp directory and argv).
-PERMANENT = {"cli/__init__.py": 2, "models/hf.py": 1, "runtime/launch.py": 1, "runtime/zygote.py": 3}
+# forked rank's temp directory put back as a fresh interpreter has it, a launcher forked by the zygote made what
+# a fresh one is (its stdout and stderr, temp directory and argv), and a plan's async TP switched on for the
+# training process that applies it to CUDA ranks (inductor's ``_micro_pipeline_tp``, as torchtitan sets it).
+PERMANENT = {"cli/__init__.py": 2, "models/hf.py": 1, "runtime/launch.py": 1, "runtime/zygote.py": 3,
+             "apply/tensor_parallel.py": 1}
 
 
 def test_libraries_are_patched_only_through_patched() -> None:
