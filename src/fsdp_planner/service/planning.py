@@ -67,7 +67,7 @@ from fsdp_planner.sim.float8 import check_float8_scales, converted_linears
 from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
-from fsdp_planner.sim.sizing import shard_dims, with_memory_options
+from fsdp_planner.sim.sizing import shard_dims, sharded_numel, with_memory_options
 from fsdp_planner.sim.tensor_parallel import data_parallel_plan, tp_trace, tp_view, view_key
 from fsdp_planner.trace.chunked_loss import output_layer
 from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN, KERNEL_SELECTIVE_SCAN
@@ -827,12 +827,11 @@ def padding_note(tr: Trace, shard: int) -> str | None:
     """Said where FSDP2's dim-0 sharding pads the params' all-gathers by a quarter or more and another dim would
     divide (``--shard-placement auto``): Mixtral's 8 experts over 64 ranks are padded 8x, its titan plan gathering
     1.32 TiB a step and holding 211 GiB, where dim 1 takes 1.46 s and 64 GiB (a trial found no word of it)."""
-    padded = sum(p.padded_numel(shard) * p.itemsize for p in tr.params)
-    whole = sum(p.nbytes for p in tr.params)
     moved = shard_dims(tr, shard, ShardPlacement.AUTO)
+    padded, after, whole = (sum(sharded_numel(p, shard, dims.get(p.fqn, 0)) * p.itemsize for p in tr.params)
+                            for dims in ({}, moved, {p.fqn: 1 for p in tr.params}))
     if not moved or padded < PADDING_SAID * whole:
         return None
-    after = sum((p.nbytes if p.fqn in moved else p.padded_numel(shard) * p.itemsize) for p in tr.params)
     worst = max((p for p in tr.params if p.fqn in moved), key=lambda p: p.padded_numel(shard) - p.numel)
     return (f"FSDP2 shards each param on dim 0, padded to a multiple of its {shard:,} ranks: its all-gathers move "
             f"{padded / whole:.1f}x the params' bytes ('{worst.fqn}', {' x '.join(f'{d:,}' for d in worst.shape)}, "
