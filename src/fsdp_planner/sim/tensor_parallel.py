@@ -12,7 +12,9 @@ of the whole model into that rank's step (``TPView``):
   those regions (norms, residual adds: a sequence shard); an embedding's lookup makes its whole (partial) output;
   under loss parallel the loss runs on vocab-sharded logits. What a region's first Linear saves for backward is
   its input as the region sees it: all-gathered from the sequence shard (``PrepareModuleInput``), or replicated,
-  the whole activation (real DTensor saves the all-gathered local tensor, checked on the fake process group);
+  the whole activation (real DTensor saves the all-gathered local tensor, checked on the fake process group); a
+  rowwise Linear's matmul makes the whole output's partial sums on every rank (``_output_share``: what an
+  op-level policy keeps of it), which its reduce-scatter makes a 1/TP sequence shard;
 - TP's own collectives, as ops of the compute stream (eager DTensor waits on each; ``KERNEL_TP_*``): the all-gather
   of a region's sequence-sharded input and its reduce-scatter in backward; the reduce-scatter of a rowwise output
   onto the sequence dim (an all-reduce without sequence parallelism) and its all-gather in backward; a colwise
@@ -441,13 +443,14 @@ def _linear_input(trace: Trace, ops: list[Event]) -> int:
     return 0
 
 
-def _tp_op(kernel: int, module: str, nbytes: int, backward: bool) -> Event:
+def _tp_op(kernel: int, module: str, nbytes: int, backward: bool, t: int = 1) -> Event:
     # a forward reduce-scatter is what an op-level policy sees as _c10d_functional.reduce_scatter_tensor (torchtitan's
-    # save list keeps its output: not run again in a recomputation)
+    # save list keeps its output, the rank's 1/``t`` sequence shard of the ``nbytes`` it sends: not run again in a
+    # recomputation)
     forward_rs = kernel == KERNEL_TP_REDUCE_SCATTER and not backward
     return Event(EventKind.OP, module, nbytes=nbytes, backward=backward, kernel=kernel,
                  op_class=OpClass.REDUCE_SCATTER if forward_rs else OpClass.OTHER,
-                 out_nbytes=nbytes if forward_rs else 0)
+                 out_nbytes=nbytes // t if forward_rs else 0)
 
 
 def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[list[Event], list[Event]]:
@@ -470,7 +473,7 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
         return _whole_around(e, style, lay, inputs, output, whole_input_grad)
     if kind is EventKind.FWD_POST:
         if style in _SCATTERED:
-            return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, output, False)], []
+            return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, output, False, lay.t)], []
         if style in (TPStyle.ROWWISE, TPStyle.EMBEDDING):
             return [_tp_op(KERNEL_TP_ALL_REDUCE, m, output, False)], []
         if style is TPStyle.SEQUENCE_COLWISE and not lay.tp.loss_parallel:  # the logits made whole
@@ -575,7 +578,7 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
             whole = 1.0 if e.op_class is OpClass.ATTENTION_MASK else s
             e = e._replace(flops=int(e.flops * whole), nbytes=int(e.nbytes * whole), saved=int(e.saved * kept)
                            + saved_whole.get(i, 0) + float8_saved.get(i, 0) + split_saved.get(i, 0),
-                           out_nbytes=int(e.out_nbytes * s),
+                           out_nbytes=int(e.out_nbytes * _output_share(lay, e, s)),
                            live=int((e.live - mask_live.get(i, 0)) * s) + mask_live.get(i, 0),
                            grad_live=int(e.grad_live * s),
                            freed=int(e.freed * (lay.scale(e.module) if i in outside else kept))  # (what the
@@ -597,6 +600,14 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         out.append(e)
         _put_in(out, after, added)
     return out, where
+
+
+def _output_share(lay: _Layout, e: Event, share: float) -> float:
+    """The share of op ``e``'s outputs one TP rank makes: its work's ``share``, but all of a rowwise Linear's
+    matmul's, the whole tensor's partial sums (``Partial``) on every TP rank until its reduce-scatter or
+    all-reduce. What an op-level policy keeps of a Llama block's w2 (its 7th mm: saved) is that whole tensor."""
+    partial = e.kernel > 0 and not e.backward and lay.styles.get(e.module) in (*_ROWWISE, TPStyle.ROWWISE_SPLIT)
+    return 1.0 if partial else share
 
 
 def _put_in(out: list[Event], ops: list[Event], added: list[tuple[int, str]]) -> None:
