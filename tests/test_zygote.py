@@ -142,3 +142,28 @@ except (BrokenPipeError, ConnectionResetError):
         assert out.stdout.strip() in ("b''", "refused"), out
     finally:
         os.kill(forked.zygote, signal.SIGTERM)
+
+
+@pytest.mark.skipif(not forks_ranks({FORK_ENV: "1"}), reason="ranks are forked only on Linux with a CPU-only torch")
+def test_a_forked_rank_joins_once_its_launcher_has_forked_every_rank(monkeypatch):
+    """A forked rank waits until the launcher has forked as many ranks as the node runs (its main thread's
+    children): a rank forked while an earlier one's connection held glibc's resolver lock in the launcher would
+    wait for good in its own ``getaddrinfo``."""
+    from fsdp_planner.runtime.launch import LAUNCHER_ENV, await_forked_siblings
+
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2)]
+    try:
+        monkeypatch.setenv(FORK_ENV, "1")
+        monkeypatch.setenv(LAUNCHER_ENV, str(os.getpid()))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        started = time.monotonic()
+        await_forked_siblings(timeout=20)
+        assert time.monotonic() - started < 5  # both forked: no wait
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+        started = time.monotonic()
+        await_forked_siblings(timeout=0.5)
+        assert time.monotonic() - started >= 0.5  # one not forked yet: it waits (here until its time is up)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()

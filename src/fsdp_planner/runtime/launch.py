@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,6 +33,7 @@ LAUNCHER_ENV = "FSDP_PLANNER_LAUNCHER"  # this launcher's pid, which its ranks f
 # "1": ranks forked from the launcher where that is sound (``rank_command``), and the launcher from a zygote
 # (``zygote.py``): the test suite's setting
 FORK_ENV = "FSDP_PLANNER_FORK_RANKS"
+SIBLINGS_WAIT_S = 60.0  # how long a forked rank waits for its siblings' forks (``await_forked_siblings``)
 # what torch imports only when first used and every rank uses: inductor's config (``use_deterministic_algorithms``
 # sets a flag there; it imports dynamo, which FSDP2 asks for on its first call): 0.8 s of CPU a forked rank
 LOADED_BY_EVERY_RANK = ("torch._inductor.config",)
@@ -86,6 +88,28 @@ def rank_command(module: str) -> list[str]:
 def forks_ranks(env: Mapping[str, str]) -> bool:
     """Whether a job launched with ``env`` forks its ranks (``rank_command``)."""
     return env.get(FORK_ENV) == "1" and sys.platform == "linux" and not torch.backends.cuda.is_built()
+
+
+def await_forked_siblings(timeout: float = SIBLINGS_WAIT_S) -> None:
+    """In a rank the launcher forked (``rank_command``), wait until it has forked every rank of the node before
+    joining the process group. It forks them one by one while its TCPStore server's thread accepts the ranks
+    already running, and glibc's resolver lock, which no fork handler resets, is held there at times: a rank forked
+    then inherits it held, with no thread to release it, and its ``getaddrinfo`` in ``init_process_group`` waits
+    for good (1 job in about 100 of 8 ranks on a loaded 2-core machine; py-spy: ``__resolv_context_get`` under
+    ``TCPStore::TCPStore``, never in rank 0, which is forked before any rank connects). Once every rank is forked
+    no fork is left to inherit it. Without ``/proc``'s children list (another kernel): no wait."""
+    launcher, ranks = os.environ.get(LAUNCHER_ENV), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not launcher or not forks_ranks(os.environ):
+        return
+    children = Path(f"/proc/{launcher}/task/{launcher}/children")  # (forked by its main thread)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if len(children.read_text().split()) >= ranks:
+                return
+        except OSError:
+            return
+        time.sleep(0.005)
 
 
 def preload(*modules: str) -> str:

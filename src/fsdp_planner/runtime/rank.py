@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from fsdp_planner.patching import patched
 from fsdp_planner.runtime.failures import EarlyExit, stack_file, write_failure
-from fsdp_planner.runtime.launch import LAUNCHER_ENV
+from fsdp_planner.runtime.launch import LAUNCHER_ENV, await_forked_siblings
 from fsdp_planner.signals import follow_parent
 
 # A collective that waits this long for a peer fails instead of blocking (gloo's default is 30 minutes); every
@@ -68,6 +68,7 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
         stacks_on_sigterm(Path(job["result"]), joining)
         if injected_fault(joining) == "hang":
             _hang()
+        await_forked_siblings()
         device, rank, world = start_rank(cpu)
     except Exception as e:  # joining the group failed (a peer gone, a port taken): said as this rank's failure
         write_failure(Path(job["result"]), int(os.environ.get("RANK", "0")), e)
