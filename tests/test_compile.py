@@ -335,7 +335,10 @@ def test_a_compiled_plan_s_out_line_says_to_compile_its_simulation(tmp_path, cap
 
     out = tmp_path / "plan.json"
     assert main(["plan", "toy-llama", "--policy", "titan", "--compile", "--cluster", "h100:8", "--out", str(out)]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("give simulate and verify --compile)")
+    said = capsys.readouterr()
+    assert said.out.strip().splitlines()[-1].endswith("give simulate and verify --compile)")
+    # and, once, that the compiled step is the model's optimistic figure
+    assert said.err.count("read a compiled step time, its tokens/s and MFU as optimistic") == 1
 
 
 def test_an_expert_group_inside_a_compiled_block_says_ep_made_it():

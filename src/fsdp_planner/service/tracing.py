@@ -371,7 +371,16 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
     except Exception as e:
         raise PlannerError(f"--compile: AOTAutograd could not trace block '{blocks[0]}' ({compile_error(e)}); the "
                            "block does not compile with fullgraph=True as the step calls it") from e
+    note(COMPILE_GAIN_NOTE)
     return tr.with_compiled(saved)
+
+
+# what no step time of a compiled plan says by itself: the model's compile gain has been larger than measured on
+# every run it was checked on (published 8-GPU and 2-D H100 runs, one H200's traces), and a fit's MFU inherits that
+COMPILE_GAIN_NOTE = ("--compile: what compiling saves is the model's (inductor's kernels at the fused bytes' floor, "
+                     "trace/compiled.py), and it has saved more than was measured on every run it was checked on "
+                     "(benchmarks/fidelity_published.md, benchmarks/gpu_step.md): read a compiled step time, its "
+                     "tokens/s and MFU as optimistic, and weigh plans compiled alike against each other")
 
 
 SLOW_COMPILES = 8  # distinct blocks past which --compile's partitioning takes a minute or more (1-4 s a block on
