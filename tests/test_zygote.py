@@ -148,22 +148,24 @@ except (BrokenPipeError, ConnectionResetError):
 def test_a_forked_rank_joins_once_its_launcher_has_forked_every_rank(monkeypatch):
     """A forked rank waits until the launcher has forked as many ranks as the node runs (its main thread's
     children): a rank forked while an earlier one's connection held glibc's resolver lock in the launcher would
-    wait for good in its own ``getaddrinfo``."""
+    wait for good in its own ``getaddrinfo``. The launcher here: a process that starts two children."""
     from fsdp_planner.runtime.launch import LAUNCHER_ENV, await_forked_siblings
 
-    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2)]
+    code = "import subprocess, sys, time\n" \
+           "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range(2)]\n" \
+           "time.sleep(60)"
+    launcher = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:
         monkeypatch.setenv(FORK_ENV, "1")
-        monkeypatch.setenv(LAUNCHER_ENV, str(os.getpid()))
+        monkeypatch.setenv(LAUNCHER_ENV, str(launcher.pid))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         started = time.monotonic()
-        await_forked_siblings(timeout=20)
-        assert time.monotonic() - started < 5  # both forked: no wait
+        await_forked_siblings(timeout=30)
+        assert time.monotonic() - started < 25  # both started (within seconds): the wait ends then
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
         started = time.monotonic()
         await_forked_siblings(timeout=0.5)
-        assert time.monotonic() - started >= 0.5  # one not forked yet: it waits (here until its time is up)
+        assert time.monotonic() - started >= 0.5  # one not started yet: it waits (here until its time is up)
     finally:
-        for child in children:
-            child.kill()
-            child.wait()
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
