@@ -124,7 +124,7 @@ def test_damaged_traces_are_one_line(tmp_path: Path) -> None:
     data, _ = gpu_trace(steps=2)
     next(e for e in data["traceEvents"] if e.get("cat") == "kernel")["args"] = "x"
     with pytest.raises(PlannerError, match=r"has 1 complete event \('ph': 'X'\) without .* and 'args', where given, "
-                                           "an object\): an edited or damaged trace"):
+                                           r"an object\): an edited or damaged trace"):
         _read(data, tmp_path)
     text = json.dumps(gpu_trace(steps=2)[0])
     (tmp_path / "twice.json").write_text(text[:-1] + ', "traceEvents": []}')
