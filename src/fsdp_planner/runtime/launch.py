@@ -95,7 +95,7 @@ def await_forked_siblings(timeout: float = SIBLINGS_WAIT_S) -> None:
     joining the process group. It forks them one by one while its TCPStore server's thread accepts the ranks
     already running, and glibc's resolver lock, which no fork handler resets, is held there at times: a rank forked
     then inherits it held, with no thread to release it, and its ``getaddrinfo`` in ``init_process_group`` waits
-    for good (1 job in about 100 of 8 ranks on a loaded 2-core machine; py-spy: ``__resolv_context_get`` under
+    for good (about 1 job in 50 of 8 ranks on a loaded 2-core machine; py-spy: ``__resolv_context_get`` under
     ``TCPStore::TCPStore``, never in rank 0, which is forked before any rank connects). Once every rank is forked
     no fork is left to inherit it. Without ``/proc``'s children list (another kernel): no wait."""
     launcher, ranks = os.environ.get(LAUNCHER_ENV), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
