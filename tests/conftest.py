@@ -18,7 +18,7 @@ import pytest
 
 from fsdp_planner.models import load_model
 from fsdp_planner.runtime.launch import FORK_ENV
-from fsdp_planner.runtime.zygote import ZYGOTE_ENV
+from fsdp_planner.runtime.zygote import PRELOAD_ENV, ZYGOTE_ENV
 from fsdp_planner.trace import Trace, record
 
 # The suite's torchrun jobs fork their ranks from the launcher (``launch.rank_command``): about 4 s of CPU less a
@@ -27,6 +27,13 @@ from fsdp_planner.trace import Trace, record
 # (``as_users_run``).
 os.environ.setdefault(FORK_ENV, "1")
 os.environ[ZYGOTE_ENV] = str(os.getpid())  # this process's own (each xdist worker's), not its subprocesses'
+# transformers and the models the suite's ranks build, imported once in the zygote: ~3 s of CPU a rank otherwise
+os.environ[PRELOAD_ENV] = ",".join(("transformers", "transformers.activations", "transformers.masking_utils",
+                                    "transformers.models.auto.modeling_auto", "torchao.float8", "peft",
+                                    "torch._inductor.compile_fx",
+                                    *(f"transformers.models.{t}.modeling_{t}" for t in (
+                                        "llama", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "gpt2", "bloom",
+                                        "phi3", "llama4", "llava", "qwen3_5", "nemotron_h", "jamba", "clip"))))
 
 
 def as_users_run() -> dict[str, str]:

@@ -20,10 +20,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import importlib
 import io
 import json
 import locale
 import os
+import re
 import secrets
 import selectors
 import signal
@@ -42,6 +44,10 @@ LAUNCH_MODULE = "fsdp_planner.runtime.launch"
 # the pid of the one process whose launchers are forked (the test suite's conftest sets its own): a command the
 # tests start as a subprocess inherits it and starts its one job as a process of its own, as a zygote would not pay
 ZYGOTE_ENV = "FSDP_PLANNER_ZYGOTE_FOR"
+# more modules for the zygote to import before it forks, comma-separated (the suite's: transformers and the models
+# its ranks build, ~3 s of CPU a rank of a transformers model otherwise); one that fails to import is left out
+PRELOAD_ENV = "FSDP_PLANNER_ZYGOTE_PRELOAD"
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 # what the interpreter, glibc and OpenMP read once, at start-up: a zygote serves only requests that agree on them
 STARTUP_PREFIXES = ("PYTHON", "PYTORCH_", "TORCH", "GLIBC_", "LD_", "MALLOC_", "OMP_", "KMP_", "MKL_", "LC_", "LANG",
                     "LOGLEVEL")
@@ -246,6 +252,15 @@ class Closable(Protocol):
     def close(self) -> None: ...
 
 
+def preload_modules(names: str) -> None:
+    """Import each module ``names`` lists (``PRELOAD_ENV``): a warm-up, so one that is not a module name or fails
+    to import is left to the ranks that need it."""
+    for name in filter(None, (n.strip() for n in names.split(",")[:100])):
+        if _MODULE_NAME.fullmatch(name):
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+
 def serve(name: str, parent: int) -> None:
     """Fork a launcher for each request of ``parent`` until stdin closes (the client's ``close``, or its death)."""
     from fsdp_planner.runtime import launch
@@ -253,6 +268,7 @@ def serve(name: str, parent: int) -> None:
 
     follow_parent(parent, signal.SIGTERM)
     launch.preload()
+    preload_modules(os.environ.get(PRELOAD_ENV, ""))
     # what the imports made, out of the collector's reach in every fork: no launcher or rank spends its collections
     # walking (and so copying) the zygote's pages (``gc.freeze``'s documented use before fork)
     gc.freeze()
