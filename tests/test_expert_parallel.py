@@ -1469,6 +1469,26 @@ def test_experts_multiplying_rows_split_by_offsets_count_their_flops_and_refuse_
     assert r.returncode == 0 and "expert_parallel" not in json.loads(r.stdout)["plans"][0]["plan"]
 
 
+def test_experts_taking_token_rows_are_refused_ep_at_plan_time_and_by_check(tmp_path) -> None:
+    """Experts given the layer's (tokens, dim) rows (each row's weights taken by its expert id) were planned with
+    ``--ep``, chosen by auto (EP 16 on 64 H100s), passed by ``check`` and exported, while EP's dispatch sends
+    (experts, rows, dim) blocks: every rank refused them (a new user's trial). Refused at plan time in one sentence
+    naming the module and its input, by ``check`` of a plan with EP; auto screens none; the grouped experts' 3-D
+    input is still EP's."""
+    spec = "tests/fixtures/ep_moe.py:indexed_tiny_mixtral"
+    said = ("expert parallelism sends each rank's experts a block of (experts, rows, dim) routed rows (models/moe.py's "
+            "GroupedExperts), and IndexedExperts ('layers.0.moe.experts') takes a 2-D input")
+    r = run_main("plan", spec, "--policy", "titan", "--ep", "2", "--cluster", "h100:8")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"error: {said}"), r.stderr[-2000:]
+    r = run_main("plan", spec, "--policy", "auto", "--cluster", "h100:8", "--json")
+    assert r.returncode == 0 and "expert_parallel" not in json.loads(r.stdout)["plans"][0]["plan"]
+    plan = tmp_path / "plan.json"  # the grouped experts' own EP plan (their input is 3-D), the same module names
+    r = run_main("plan", TINY, "--policy", "titan", "--ep", "2", "--cluster", "h100:8", "--out", str(plan))
+    assert r.returncode == 0 and "EP 2" in r.stdout, r.stderr[-2000:]
+    r = run_main("check", spec, "--plan", str(plan), "--cluster", "h100:8")
+    assert r.returncode != 0 and said in " ".join(r.stderr.split()) and "Traceback" not in r.stderr, r.stderr
+
+
 def test_dim_0_s_padding_of_the_experts_is_said_with_its_way_out() -> None:
     """8 experts sharded on dim 0 over 64 ranks are padded 8x: Mixtral's titan plan on 64 H100s gathered 1.32 TiB
     a step and reserved 211 GiB with no word of why, where --shard-placement auto (dim 1) takes 64 GiB (a trial).

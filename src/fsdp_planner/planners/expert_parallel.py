@@ -90,12 +90,28 @@ OFFSET_ROWS_EXPERTS = ("expert parallelism here sends each rank's experts a bloc
 
 def token_list_experts(trace: Trace) -> str | None:
     """Why EP cannot run the model's experts modules, which take the layer's token list (``SELF_ROUTED_EXPERTS``,
-    ``OFFSET_ROWS_EXPERTS``); None where they take EP's block."""
+    ``OFFSET_ROWS_EXPERTS``, or a first input that is no (experts, rows, dim) block: ``flat_input_experts``); None
+    where they take EP's block."""
     experts = expert_modules(trace)
     if any(is_within(m, e) for m in trace.stood_in for e in experts):
         return SELF_ROUTED_EXPERTS
     if any(is_within(m, e) for m in trace.offset_rows for e in experts):
         return OFFSET_ROWS_EXPERTS
+    return flat_input_experts(trace, experts)
+
+
+def flat_input_experts(trace: Trace, experts: list[str]) -> str | None:
+    """Why EP's dispatch cannot send the model's experts their input: an experts module (not transformers', whose
+    layers run transformers' own EP on (tokens, dim) rows) whose first input was not 3-D (a trial's experts took
+    (tokens, dim) rows and indexed their stacked weights by expert ids: planned, chosen by auto and exported with
+    EP, refused by every rank)."""
+    for e in experts:
+        info = trace.modules[e]
+        if not info.from_transformers and info.input_dims not in (-1, 3):
+            return (f"expert parallelism sends each rank's experts a block of (experts, rows, dim) routed rows "
+                    f"(models/moe.py's GroupedExperts), and {info.cls} ('{e}') takes a {info.input_dims}-D input, "
+                    "which that dispatch cannot send: plan it without --ep, or give the experts (experts, rows, "
+                    "dim) inputs")
     return None
 
 

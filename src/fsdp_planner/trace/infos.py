@@ -71,6 +71,9 @@ class ModuleInfo:
     # local tensor autograd refuses to modify in place
     topk_modified: bool = False  # a topk of its forward had its outputs modified in place after (transformers' Qwen
     # MoE routers divide the top-k weights in place): op-level checkpointing saving topk fails there
+    input_dims: int = -1  # dims of the first tensor its first traced call was given (-1: none, or a call replayed
+    # from an identical block's): EP's dispatch sends an experts module a 3-D (experts, rows, dim) block
+    from_transformers: bool = False  # its class is transformers' (whose experts layers run transformers' own EP)
     records_outputs: bool = False  # a transformers model whose class lists outputs to record
     # (``_can_record_outputs``: hidden states, attentions), which transformers looks up by str(module.__class__)
 

@@ -13,11 +13,13 @@ from fsdp_planner.trace.walk import ModuleWalk
 
 def module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.Parameter], events: list[Event],
                  calls: dict[str, int], modified_inputs: set[str], modified_outputs: set[str],
-                 modified_topks: set[str] = frozenset()) -> dict[str, ModuleInfo]:
+                 modified_topks: set[str] = frozenset(), input_dims: dict[str, int] | None = None
+                 ) -> dict[str, ModuleInfo]:
     """One ModuleInfo per module object, with its real children and the stats of its calls (``modified_inputs``:
     modules a call of which modified its grad-requiring inputs in place; ``modified_outputs``: modules whose
     call's output was modified in place after it returned; ``modified_topks``: modules whose ``topk``'s outputs
-    were)."""
+    were; ``input_dims``: the dims of the first tensor each module's first call was given)."""
+    input_dims = input_dims or {}
     aliases: dict[str, list[str]] = {}
     for n, m in walk.named:
         if n != walk.canonical[id(m)]:
@@ -33,6 +35,7 @@ def module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.
             calls=calls.get(fqn, 0), fwd_flops=fwd.get(fqn, 0), bwd_flops=bwd.get(fqn, 0), first_use=first.get(fqn, -1),
             shardable=_shardable(m) and not (fqn in modified_inputs and _fsdp2_refuses_inplace(fqn, m)),
             records_outputs=bool(getattr(type(m), "_can_record_outputs", None)),
+            input_dims=input_dims.get(fqn, -1), from_transformers=type(m).__module__.startswith("transformers."),
             output_modified=fqn in modified_outputs, topk_modified=fqn in modified_topks,
             torch_class=_torch_class(m), plain_torch_class=type(m) in (nn.Linear, nn.Embedding),
             running_stats=bool(m.training and getattr(m, "track_running_stats", False)
