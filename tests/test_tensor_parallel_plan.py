@@ -1156,6 +1156,24 @@ def test_a_hand_written_llama_block_keeps_the_pairs_its_code_takes(capsys):
         "(aten.view in module '0'" in out.err
 
 
+def test_a_parallel_attention_and_mlp_block_makes_two_pairs_split_at_its_attention(capsys):
+    """A GPT-J block (attention and MLP from one norm): its six Linears ran as one run, all but fc_out colwise, and
+    --tp failed one TP rank's step blaming a fixed shape. The first Linear after the block's attention call ends its
+    pair (q, k, v -> o), the rest make the MLP's; the layout runs on one TP rank's step and on the fake ranks."""
+    from fsdp_planner.cli import main
+
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
+    assert main(["plan", f"{fixtures}:parallel_blocks", "--policy", "titan", "--tp", "2", "--cluster", "h100:8",
+                 "--json"]) == 0
+    styles = json.loads(capsys.readouterr().out)["plans"][0]["plan"]["tensor_parallel"]["layout"]
+    assert {k: v for k, v in styles.items() if k.startswith("0.")} == {
+        "0.wq": "colwise", "0.wk": "colwise", "0.wv": "colwise", "0.wo": "rowwise", "0.fc_in": "colwise",
+        "0.fc_out": "rowwise"}
+    assert main(["verify", f"{fixtures}:parallel_blocks", "--policy", "titan", "--tp", "2", "--fake-world-size", "4",
+                 "--precision", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["counts_and_bytes_exact"]
+
+
 def test_simulate_refuses_a_sequence_sequence_parallelism_cannot_split(capsys):
     """``simulate --tp 4 --seq 1001`` simulated a layout whose sequence parallelism cannot split the sequence (the
     policy's plan was made for the model's default workload, 8,192): refused, as plan refuses it."""

@@ -517,7 +517,25 @@ def _pairs(trace: Trace, parent: ModuleInfo) -> list[_Pair]:
             runs[-1].append(c)
         elif runs[-1]:
             runs.append([])
+    runs = [part for run in runs for part in _split_at_attention(trace, parent.fqn, run)]
     return [p for p in (_pair(trace, parent.fqn, run) for run in runs if len(run) >= 2) if p]
+
+
+def _split_at_attention(trace: Trace, parent: str, run: list[ModuleInfo]) -> list[list[ModuleInfo]]:
+    """A run of Linears with a fused attention call of the module's among them: the first Linear after the call
+    reads the attention's output (o), and ends the run's first pair (q, k, v then o); the Linears after it make
+    their own (a GPT-J block's parallel MLP from the same norm: fc_in, fc_out; as one run, o was made colwise and
+    one TP rank's step failed)."""
+    if len(run) < 3:
+        return [run]
+    lo, hi = run[0].first_use, run[-1].first_use
+    attention = next((i for i in range(lo, hi) if trace.events[i].kind is EventKind.OP and not trace.events[i].backward
+                      and trace.events[i].kernel in ATTENTION_KERNELS and is_within(trace.events[i].module, parent)),
+                     None)
+    if attention is None:
+        return [run]
+    k = next(i for i, c in enumerate(run) if c.first_use > attention)
+    return [run[:k + 1], run[k + 1:]]
 
 
 def _pair(trace: Trace, parent: str, linears: list[ModuleInfo]) -> _Pair | None:
