@@ -149,6 +149,41 @@ def test_an_argmax_router_gives_each_expert_its_share():
     assert expert_flops == 2 * 64 * 16 * 16  # 64 tokens through one 16 x 16 expert each, shared out
 
 
+class _MaxSwitchMoE(_SwitchMoE):
+    """The same top-1 router written with ``max`` over the experts (values and indices: a trial's router); with
+    ``keepdim`` a hand-written softmax's max instead, before a mask of the rows the stand-in must take whole."""
+
+    def __init__(self, keepdim: bool = False) -> None:
+        super().__init__()
+        self.keepdim = keepdim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.gate(x)
+        if self.keepdim:  # (a softmax by hand, then rows picked by a mask that routes nothing)
+            p = (scores - scores.max(-1, keepdim=True).values).exp()
+            rows = torch.where(p.sum(-1) > 0)[0]
+            return self.experts[0](x[rows]) * p[rows, :1]
+        weight, top = scores.softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            idx = torch.where(top == i)[0]
+            out = out.index_add(0, idx, expert(x[idx]) * weight[idx, None])
+        return out
+
+
+def test_a_max_router_gives_each_expert_its_share_and_a_softmax_s_max_routes_nothing():
+    """``w, idx = p.max(-1)`` picks each token's one expert as argmax does: each expert got every token (a trial:
+    4x the expert FLOPs, and check missed the loop's skip of an expert without tokens, which crashed on gloo). A
+    max kept for a hand-written softmax (keepdim) is no routing: a later mask keeps every row."""
+    for keepdim, rows in ((False, 64 // 4), (True, 64)):
+        with torch.device("meta"):
+            model, x = _MaxSwitchMoE(keepdim), torch.randn(64, 16)
+        tr = record(model, (x,))
+        expert_flops = sum(e.flops for e in tr.events if not e.backward and e.module.startswith("experts.")
+                           and e.kernel > 0)
+        assert expert_flops == 2 * rows * 16 * 16 * (1 if keepdim else 4)
+
+
 def test_only_ops_that_read_values_pass_through_the_stand_in(monkeypatch):
     """A ReLU's backward (``where``), a matmul, a norm never reach the stand-in's Python (issue 34: 38,000 such
     calls were most of a 10,000-module trace); the router's topk and nonzero still do, and stand in as before, and
@@ -167,7 +202,7 @@ def test_only_ops_that_read_values_pass_through_the_stand_in(monkeypatch):
         model, inputs = rm.where_moe()
     tr = record(model, inputs, reuse=False)
     assert "aten.nonzero" in tr.notes[0]
-    assert {"topk", "nonzero"} <= set(seen) <= {"topk", "argmax", "nonzero", "index", "masked_select",
+    assert {"topk", "nonzero"} <= set(seen) <= {"topk", "argmax", "max", "nonzero", "index", "masked_select",
                                                 "_local_scalar_dense", "_to_copy",
                                                 "eq", "ne", "lt", "le", "gt", "ge"}  # a check's verdict
     assert len(seen) < len([e for e in tr.events if e.is_op]) / 4

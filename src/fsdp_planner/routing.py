@@ -66,12 +66,20 @@ _SPELLED = {
 _COMPARISONS = {_aten.eq: lambda a, b: a == b, _aten.ne: lambda a, b: a != b, _aten.lt: lambda a, b: a < b,
                 _aten.le: lambda a, b: a <= b, _aten.gt: lambda a, b: a > b, _aten.ge: lambda a, b: a >= b}
 _INTERCEPTED = frozenset({_aten.nonzero, _aten.index, _aten.masked_select, _aten._local_scalar_dense, _aten._to_copy,
-                          _aten.bincount, _aten.topk, _aten.argmax, *_COMPARISONS})
+                          _aten.bincount, _aten.topk, _aten.argmax, _aten.max, *_COMPARISONS})
 # The errors PyTorch raises for a data-dependent op on tensors without data (meta, or fake without a shape env).
 _REFUSALS = ("DynamicOutputShapeException", "DataDependentOutputException")
 _REFUSAL_TEXTS = ("register_meta function for torch.nonzero", "cannot be called on meta tensors",
                   "Cannot copy out of meta tensor", "with Meta tensors, but there was no fake impl",
                   "a meta tensor without output_size")  # repeat_interleave by a tensor of counts
+
+
+def _top1_max(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``max`` call is a top-1 router's: over the last dim of 2-D (tokens, experts) scores, without
+    keepdim (``max(dim)`` returns the indices beside the values)."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    return isinstance(dim, int) and dim in (-1, 1) and not keepdim and args[0].dim() == 2
 
 
 @dataclass
@@ -92,8 +100,10 @@ class StandIn:
 
     def saw(self, func: Any, args: tuple, kwargs: dict, out: Any = None) -> None:
         """Note a ``topk``'s expert count and per-expert rows (its input is (tokens, experts) scores); an
-        ``argmax`` over a dim is a top-1 router's (Switch Transformer's), k = 1 (not ``max``: a hand-written softmax
-        takes one over the keys, and would make a later placeholder mask look routed)."""
+        ``argmax`` over a dim is a top-1 router's (Switch Transformer's), k = 1, and so is a ``max`` over the last
+        dim of (tokens, experts) scores without keepdim (``w, idx = p.max(-1)``: a trial's router, whose every
+        expert was charged every token). Not another ``max``: a hand-written softmax takes one over the keys with
+        keepdim, to subtract it, and would make a later placeholder mask look routed."""
         packet = getattr(func, "_overloadpacket", None)
         if not args or not isinstance(args[0], torch.Tensor):
             return
@@ -108,6 +118,8 @@ class StandIn:
             if not isinstance(found, int):  # argmax() over every element: no routing
                 return
             scores, k, dim = args[0], 1, found
+        elif packet is _aten.max and _top1_max(args, kwargs):
+            scores, k, dim = args[0], 1, -1
         else:
             return
         if scores.dim() == 0 or scores.shape[dim] == 0:
@@ -115,7 +127,7 @@ class StandIn:
         self.experts, self.selections, self.reads = int(scores.shape[dim]), 0, 0
         tokens = scores.numel() // self.experts
         self.per_expert = max(1, math.ceil(tokens * k / self.experts * self.capacity))
-        index = out[1] if packet is _aten.topk else out
+        index = out[1] if packet in (_aten.topk, _aten.max) else out
         if isinstance(index, torch.Tensor) and _planned(index):  # contiguous (..., k): element o is (t x k + j)
             experts = self.experts
             self._remember(index, lambda o: o % experts)
