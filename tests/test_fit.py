@@ -388,6 +388,14 @@ def test_fit_names_unknown_models_and_reads_a_factorys_batch(capsys, tmp_path):
                        "    return llama.build(llama.TOY_LLAMA, batch_size=batch_size, seq_len=seq_len)\n")
     request = fit_request(build_parser().parse_args(["fit", f"{factory}:make", "--cluster", "h100:2"]))
     assert (request.batch, request.seq) == (2, 64)
+    # a factory without batch_size: one sentence saying so, with or without --batch (a trial was told to give
+    # --batch, then that --batch does not apply)
+    factory.write_text(factory.read_text() + "\n\ndef fixed():\n    return make()\n")
+    for more in ([], ["--batch", "2"]):
+        assert main(["fit", f"{factory}:fixed", "--cluster", "h100:2", *more]) == 2
+        err = capsys.readouterr().err
+        assert "takes no batch_size keyword argument: give it batch_size (and seq_len) parameters" in err \
+            and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.integration

@@ -45,7 +45,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.hardware.cluster import Cluster, with_nodes
 from fsdp_planner.limits import MAX_BATCH, MAX_SEQ, MAX_TOKENS
-from fsdp_planner.models import BUILTINS, ModelSpec, hf, resolve_factory, workload_defaults
+from fsdp_planner.models import BUILTINS, ModelSpec, hf, resolve_factory, takes, workload_defaults
 from fsdp_planner.planners.fit import FitPoint, largest_confirmed, smallest_confirmed
 from fsdp_planner.planners.registry import PolicyRequest
 from fsdp_planner.service.fit import Points, Stopped, fewest_without_offload
@@ -164,6 +164,10 @@ def _workload_of(spec: ModelSpec) -> dict[str, Any]:
     factory = resolve_factory(spec.name)
     if spec.name in BUILTINS or hf.is_hf(spec.name):
         return spec.workload()
+    if not takes(factory, "batch_size"):  # (--batch would be refused as not applying: a trial met both sentences)
+        raise PlannerError(f"fit searches the per-GPU batch, and the factory '{spec.name}' takes no batch_size "
+                           "keyword argument: give it batch_size (and seq_len) parameters to fit it, or plan its "
+                           "one workload with plan or simulate")
     own = {k: v for k, v in workload_defaults(factory).items() if isinstance(v, int) and not isinstance(v, bool)}
     return {**own, **spec.kwargs()}
 
