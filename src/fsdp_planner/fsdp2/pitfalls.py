@@ -216,7 +216,8 @@ def _structure_findings(trace: Trace, plan: Plan, world_size: int | None) -> lis
         for m in g.modules:
             if m in modules and modules[m].cls in ("ModuleList", "ModuleDict") and not modules[m].shardable:
                 out.append(Finding(Severity.ERROR, Code.CONTAINER_GROUP,
-                                   f"group {i} lists {_path(m)}, a {modules[m].cls} without forward: fully_shard "
+                                   f"group {i} ({fmt_modules(g.modules)}) lists {_path(m)}, a {modules[m].cls} "
+                                   "without forward: fully_shard "
                                    f"refuses it", "list its children in the group instead", m))
     if all(m in modules for g in plan.groups for m in g.modules):
         group_of = {m: i for i, g in enumerate(plan.groups) for m in g.modules if m != ROOT}
