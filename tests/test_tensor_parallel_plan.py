@@ -1174,6 +1174,26 @@ def test_a_parallel_attention_and_mlp_block_makes_two_pairs_split_at_its_attenti
     assert json.loads(capsys.readouterr().out)["counts_and_bytes_exact"]
 
 
+def test_a_pair_kind_no_degree_splits_by_heads_is_left_whole_and_the_others_kept(capsys):
+    """Multi-query attention (one kv head) beside an MLP: --tp 2 refused the whole detected layout ("1 heads of 8"),
+    where each kind of pair is judged alone for a fixed shape. The attention's pair is left whole with the reason,
+    the MLP's kept; verify runs it on fake ranks."""
+    from fsdp_planner.cli import main
+
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
+    assert main(["plan", f"{fixtures}:mqa_blocks", "--policy", "titan", "--tp", "2", "--cluster", "h100:8",
+                 "--json"]) == 0
+    out = capsys.readouterr()
+    styles = json.loads(out.out)["plans"][0]["plan"]["tensor_parallel"]["layout"]
+    assert set(styles) == {f"{b}.mlp.{m}" for b in "01" for m in ("up", "down")}
+    said = " ".join(out.err.split())
+    assert "tensor-parallel pairs wq, wk, wv -> wo in _MqaAttention left whole over TP: --tp 2 must give each rank " \
+        "whole attention heads of 0.attn.wk: its 8 output features are 1 head of 8" in said, out.err
+    assert main(["verify", f"{fixtures}:mqa_blocks", "--policy", "titan", "--tp", "2", "--fake-world-size", "4",
+                 "--precision", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["counts_and_bytes_exact"]
+
+
 def test_simulate_refuses_a_sequence_sequence_parallelism_cannot_split(capsys):
     """``simulate --tp 4 --seq 1001`` simulated a layout whose sequence parallelism cannot split the sequence (the
     policy's plan was made for the model's default workload, 8,192): refused, as plan refuses it."""

@@ -670,8 +670,9 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
         widths = [head_dim, *(features // h for h in layout.heads or () if h and features % h == 0
                               and module in layout.per_head)]
         if all(features % (w * d) for w in widths):
+            heads = features / head_dim
             raise PlannerError(f"{asked} must give each rank whole attention heads of {module}: its {features:,} "
-                               f"output features are {features / head_dim:g} heads of {head_dim} "
+                               f"output features are {heads:g} head{'' if heads == 1 else 's'} of {head_dim} "
                                "(the head dim its attention runs at): choose a degree that divides them")
     _check_per_head_params(trace, tp, layout.heads, head_dim, linears, asked)
     for module, style in tp.styles(trace.modules).items():

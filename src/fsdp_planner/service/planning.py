@@ -512,12 +512,13 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
         raise PlannerError(no_experts(tr))  # to give one of the two, not that it has no experts: a new user's trial)
     layout = dataclasses.replace(tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp,
                                            request.ep or 1), named=request.tp_key)
-    check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
-    check_float8_scales(tr, layout.tp, float8)
     unchecked: tuple[str, ...] = ()
     if layout.source == PAIRS:
-        layout, unchecked = _checked_pairs(tr, request, spec, layout)
-    elif _by_names(layout, spec):
+        layout, unchecked = _checked_pairs(tr, request, spec, layout, cluster)
+    else:
+        check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
+    check_float8_scales(tr, layout.tp, float8)
+    if _by_names(layout, spec):
         unchecked = (*_names_verdict(spec, layout), *_loss_parallel_said(layout, request.loss_parallel))
     for line in (*layout.notes, *unchecked):
         reporter.note(line)
@@ -606,15 +607,22 @@ def _names_screened(layouts: list[Layout], spec: ModelSpec, asked: bool | None, 
     return layouts
 
 
-def _checked_pairs(tr: Trace, request: PolicyRequest, spec: ModelSpec, layout: Layout
+def _checked_pairs(tr: Trace, request: PolicyRequest, spec: ModelSpec, layout: Layout, cluster: Cluster | None
                    ) -> tuple[Layout, tuple[str, ...]]:
-    """A detected layout whose local shapes and numbers check (``check_local_shapes``); where the whole does not,
-    each kind of pair checked alone and those whose code does not take the split left whole, said in a note (a
-    hand-written Llama block's attention that views into a fixed head count beside its SwiGLU MLP: the MLP kept).
-    Refused as before where no kind checks."""
+    """A detected layout that the model, ``cluster`` and the workload take (``check_layout``) and whose local shapes
+    and numbers check (``check_local_shapes``); where the whole does not, each kind of pair checked alone and those
+    that fail left whole, said in a note (a hand-written Llama block's attention that views into a fixed head count
+    beside its SwiGLU MLP, or a multi-query attention whose one kv head no degree splits: the MLP kept). Refused as
+    before where no kind checks."""
+    seq = spec.workload().get("seq_len")
+
+    def checked(x: Layout) -> tuple[str, ...]:
+        check_layout(tr, x, cluster, seq)
+        return check_local_shapes(spec, x.tp)
+
     try:
-        return layout, check_local_shapes(spec, layout.tp)
-    except LayoutDoesNotRun as whole:
+        return layout, checked(layout)
+    except PlannerError as whole:
         kinds = pair_kinds(tr)
         if len(kinds) < 2:
             raise
@@ -624,16 +632,16 @@ def _checked_pairs(tr: Trace, request: PolicyRequest, spec: ModelSpec, layout: L
             alone = tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp, request.ep or 1,
                               left_whole=every - rows)
             try:
-                check_local_shapes(spec, alone.tp)
-            except LayoutDoesNotRun as e:
-                failed[label] = e.reason
+                checked(alone)
+            except PlannerError as e:
+                failed[label] = e.reason if isinstance(e, LayoutDoesNotRun) else str(e)
         if len(failed) == len(kinds):
             raise whole from None
         left = frozenset().union(*(rows for label, rows in kinds if label in failed))
         kept = dataclasses.replace(tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp,
                                              request.ep or 1, left_whole=left), named=request.tp_key)
         said = tuple(f"tensor-parallel pairs {label} left whole over TP: {why}" for label, why in failed.items())
-        return dataclasses.replace(kept, notes=(*kept.notes, *said)), check_local_shapes(spec, kept.tp)
+        return dataclasses.replace(kept, notes=(*kept.notes, *said)), checked(kept)
 
 
 def fitting(result: AutoResult) -> AutoResult:
