@@ -1068,10 +1068,17 @@ def test_auto_says_why_it_screens_no_tp_on_a_model_of_one_s_own(capsys, tmp_path
         err = capsys.readouterr().err
         assert detected in err and "give --batch N" not in err
     own = tmp_path / "own_llama.py"  # torchtitan's Llama layout, in a factory of one's own: its batch is not known
-    own.write_text("from fsdp_planner.models import load_model\n\n\ndef build():\n"
-                   "    lm = load_model('toy-llama')\n    return lm.model, lm.example_inputs, lm.loss_fn\n")
+    own.write_text("from fsdp_planner.models import ModelSpec, load_model\n\n\ndef build():\n"
+                   "    lm = load_model('toy-llama')\n    return lm.model, lm.example_inputs, lm.loss_fn\n\n\n"
+                   "def batched(batch_size=4, seq_len=32):\n"
+                   "    lm = load_model(ModelSpec('toy-llama', batch_size, seq_len))\n"
+                   "    return lm.model, lm.example_inputs, lm.loss_fn\n")
     assert main(["plan", f"{own}:build", "--policy", "auto", "--cluster", "h100:16"]) == 0
     assert "this model's batch is not known (give --batch N to screen TP" in capsys.readouterr().err
+    # a factory with a default batch: screened at it without --batch (auto screened none, asking for --batch)
+    assert main(["plan", f"{own}:batched", "--policy", "auto", "--cluster", "h100:16"]) == 0
+    out = capsys.readouterr()
+    assert "1x8 x TP 2" in out.out and "give --batch N" not in out.err, out.out + out.err
 
 
 def test_a_plan_file_s_layout_names_the_modules_not_checked_on_numbers(tmp_path, capsys):

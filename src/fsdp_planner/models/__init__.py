@@ -23,7 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +192,19 @@ def planning_only(spec: str) -> bool:
 
 def as_spec(spec: ModelSpec | str) -> ModelSpec:
     return spec if isinstance(spec, ModelSpec) else ModelSpec(spec)
+
+
+def with_own_batch(spec: ModelSpec) -> ModelSpec:
+    """A user factory's spec with the batch its factory runs by default written in (``workload`` reads no user
+    factory's defaults, and auto weighs TP d at d times the batch per data-parallel rank: a trial's model got no TP
+    screen without --batch); any other spec, or a factory without an int default, as it is. Imports the factory's
+    file (again)."""
+    if spec.batch_size is not None or spec.name in BUILTINS or hf.is_hf(spec.name):
+        return spec
+    default = workload_defaults(resolve_factory(spec.name)).get("batch_size")
+    if not isinstance(default, int) or isinstance(default, bool) or default < 1:
+        return spec
+    return replace(spec, batch_size=default)
 
 
 def workload_defaults(factory: Callable[..., tuple]) -> dict[str, Any]:

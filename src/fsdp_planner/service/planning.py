@@ -460,7 +460,7 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
 
 def _no_tp_screened(tr: Trace, model: ModelSpec, batch: bool, reporter: Reporter, cluster: Cluster) -> None:
     """Say why auto screens no TP where the model has a layout: auto weighs TP d at d times the batch per
-    data-parallel rank, which needs the batch (a user factory's default is not read without importing it again);
+    data-parallel rank, which needs the batch (a user factory's int default is read: ``with_own_batch``);
     a layout only detected (column-then-row pairs) must first run on the model (``check_local_shapes``), which
     ``--tp`` asks for; a layout no degree divides (Gemma 3 1B's one kv head): the smallest degree's reason."""
     with contextlib.suppress(PlannerError):

@@ -40,7 +40,7 @@ from fsdp_planner.limits import (
     MAX_TP_DEGREE,
     MIN_MFU,
 )
-from fsdp_planner.models import MAX_ROUTING, MIN_ROUTING, ModelSpec
+from fsdp_planner.models import MAX_ROUTING, MIN_ROUTING, ModelSpec, with_own_batch
 from fsdp_planner.models.hf import MAX_OVERRIDES, is_hf
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
 from fsdp_planner.service.job import PlanJob, default_cluster
@@ -558,6 +558,8 @@ def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bo
         the_cluster = named(default, kw.cpu_optimizer_rate, spell)
     if kw.policy is None and the_cluster is not None:
         policies.append(policy_request(kw, PolicyName.AUTO.value, spell))
+    if name is None and any(p.name is PolicyName.AUTO for p in policies):  # (auto's TP screen needs the batch)
+        model = with_own_batch(model)
     if the_cluster is not None:
         _check_ep_ranks(policies[0], the_cluster, spell)
     _check_float8_target(options, policies, spell)
