@@ -834,8 +834,9 @@ def test_a_classic_policy_s_experts_are_sharded_as_torchtitan_places_them() -> N
 
 def test_ep_placement_chooses_where_the_experts_are_sharded(tmp_path) -> None:
     """--ep-placement: 'own' gives each experts module a fully_shard call of its own (the plan file's
-    per_param_mesh false), 'blocks' their blocks' calls; auto's EP screen keeps to the one given; without EP it is
-    one sentence; with a plan file, a note."""
+    per_param_mesh false), 'blocks' their blocks' calls; auto's EP screen keeps to the one given (its EP x TP
+    screen's searched layout too: it took both, and 'own' came back as 'blocks'); without EP it is one sentence;
+    with a plan file, a note."""
     plans = {}
     for placement in ("own", "blocks"):
         out = tmp_path / f"{placement}.json"

@@ -398,7 +398,8 @@ def with_ep_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: Mode
     choice = choices[[c.tp.degree for c in choices].index(best.layout.policy.on_layout.degree)]
     with reporter.progress(f"auto: searching plans for {cluster.name} with {choice.tp.describe()}"):
         searched = _full_search(best.layout, spec.name)
-        found = with_auto_ep(searched, choice.trace, cluster, options, ep_tp[choice.tp.degree])
+        found = with_auto_ep(searched, choice.trace, cluster, options, ep_tp[choice.tp.degree],
+                             per_param=per_param_meshes(request.ep_placement))
     found = best.faster(found, searched.plan.policy)
     for name, c in found.meshes.items():  # its EP screen's lines, of its searched groups, where faster
         if name not in lines or _ahead(c, lines[name], found):
