@@ -62,7 +62,6 @@ class ModuleHooks:
         # and the lists and dicts it was given with their lengths
         self.watched: list[tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None] = []
         self.sized: list[list[tuple[Any, int]]] = []
-        self.input_dims: dict[str, int] = {}  # module -> dims of the first tensor its first call was given
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -85,9 +84,6 @@ class ModuleHooks:
         recorder = self.slot.recorder
         flat = not kwargs and all(isinstance(a, ATOMS) for a in args)  # the common case, without a traversal
         leaves = args if flat else flat_leaves(args, kwargs)
-        if fqn not in self.input_dims:
-            first = next((a for a in leaves if isinstance(a, torch.Tensor)), None)
-            self.input_dims[fqn] = -1 if first is None else first.dim()
         held, kept, made = recorder.call_inputs(fqn, [a for a in leaves if isinstance(a, torch.Tensor)],
                                                 fqn in self.holders)
         if not torch.is_grad_enabled():
@@ -96,7 +92,8 @@ class ModuleHooks:
             inputs = tuple(a for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
         else:
             inputs = collect_grad_tensors((args, kwargs))
-        call = recorder.enter_forward(fqn, bool(inputs), held, kept, made)
+        first = next((a for a in leaves if isinstance(a, torch.Tensor)), None)
+        call = recorder.enter_forward(fqn, bool(inputs), held, kept, made, -1 if first is None else first.dim())
         self.sized.append([] if flat else [(c, len(c)) for c in containers((args, tuple(kwargs.values())))])
         if not inputs:
             self.watched.append(None)

@@ -183,13 +183,13 @@ class ActionLog(StepRecorder):
         (self.template.backward if self.backward else self.template.forward).append(action)
 
     def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0, kept_inputs: int = 0,
-                      made_at: tuple = ()) -> int:
+                      made_at: tuple = (), input_dims: int = -1) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
         # (the inputs its checkpoint keeps: storages, turned into sources a replay finds, ``_classify_saves``; and
         # its ``Event.made_at``, every kept input of the call's own among them: the step's batch is none, ``replay``)
         self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes, kept_inputs, tuple(self.kept_next),
-                   made_at))
+                   made_at, input_dims))
         self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
         self.opened()
         if grad_inputs:
@@ -871,7 +871,7 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             batch = sum(n for m, n in action[6] if m[0] == "input" and sources[m] in main.step_inputs)
             main.kept_next = {ref: n for ref, n in kept.items() if ref not in main.step_inputs}
             main.enter_forward(prefix + action[1], action[2], action[3], action[4] - batch,
-                               _made(main, action[6], sources, positions))
+                               _made(main, action[6], sources, positions), action[7])
         elif kind == "fwd_post":
             main.exit_forward(prefix + action[1], replayed=action[2:4])
         elif kind == "bwd_pre":

@@ -72,6 +72,7 @@ class StepRecorder:
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
+        self.input_dims: dict[str, int] = {}  # module -> dims of the first tensor its first call was given (-1: none)
         # modules whose output an op after their call modified in place, and whose topk's outputs one did (``Slot``)
         self.modified_outputs, self.modified_topks = set[str](), set[str]()
         # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
@@ -442,9 +443,10 @@ class StepRecorder:
             self.own_bases.pop()
 
     def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0, kept_inputs: int = 0,
-                      made_at: tuple = ()) -> int:
+                      made_at: tuple = (), input_dims: int = -1) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
+        self.input_dims.setdefault(fqn, input_dims)
         if self.own_bases and len(self.fwd_stack) == self.own_bases[0][0] and not self.backward:
             # outermost in the outermost region: what its checkpoint holds
             self.own_calls.append(OwnCall(fqn, call, self.own_bases[0][1], self.own_regions - 1))
