@@ -383,6 +383,16 @@ def test_a_contradicting_workload_says_the_jobs_own_flag(tmp_path):
     assert (a.batch, a.seq) == (4, 4)
 
 
+def test_a_flag_turns_a_toml_job_s_checkpointing_off(tmp_path):
+    """``-- --activation_checkpoint.mode none`` (any spelling of none) sets no checkpointing, as ``mode = "none"`` in
+    the file does; it was refused as "null is not one of none, full, selective" (a trial)."""
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\n[activation_checkpoint]\nmode = \"full\"\n")
+    for value in ("none", "None", "null"):
+        cfg = read_config(TORCHTITAN, str(job), [f"--activation_checkpoint.mode={value}"])
+        assert cfg.keys["activation_checkpoint.mode"] == "none"
+    assert read_config(TORCHTITAN, str(job)).keys["activation_checkpoint.mode"] == "full"
+
+
 def test_an_option_that_agrees_with_a_default_setting_is_taken(tmp_path):
     """The same values as the job's defaults pass, and leave auto free where the command is plan's."""
     job = titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 8\n")

@@ -262,7 +262,11 @@ def _int(cfg: JobConfig, key: str, value: Any, minimum: int = 1, maximum: int = 
 
 def _str(cfg: JobConfig, key: str, value: Any, choices: tuple[str, ...], exact: bool = False) -> str:
     """One of ``choices``, in any case unless ``exact`` (torchtitan compares its strings as written and refuses
-    any other spelling: "Never" was read as "never", a job torchtitan would not run; a new user's trial)."""
+    any other spelling: "Never" was read as "never", a job torchtitan would not run; a new user's trial). A flag's
+    ``none``, read as None (``torchtitan_registry._flag_value``: a TOML has no null), is the choice "none" where there
+    is one (``-- --activation_checkpoint.mode none`` was refused as null: a trial)."""
+    if value is None and "none" in choices:
+        return "none"
     if not isinstance(value, str) or value.strip().lower() not in choices:
         raise _bad(cfg, key, value, f"one of {', '.join(choices)}")
     if exact and value != value.strip().lower():  # (" never" too: torchtitan compares the string as written)
