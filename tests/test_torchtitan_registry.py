@@ -200,6 +200,18 @@ def test_a_toml_key_given_to_a_registry_job_is_an_error_not_dropped(flags, says)
     assert "\n" not in str(e.value)
 
 
+def test_a_job_function_that_raises_is_said_to_raise(tmp_path):
+    """A job whose function raises before it returns was said to return nothing (a trial looked for a missing
+    return): the raise is named, with its line."""
+    path = tmp_path / "jobs.py"
+    path.write_text("from torchtitan.trainer import Trainer\n\n\ndef job() -> Trainer.Config:\n"
+                    "    raise ValueError('not on this cluster')\n")
+    with pytest.raises(PlannerError, match=r"line 5 of job raises \(raise ValueError\('not on this cluster'\)\) "
+                                           r"before it returns a job") as e:
+        read_config(TORCHTITAN, f"{path}:job")
+    assert "\n" not in str(e.value)
+
+
 def test_a_checkpointing_class_given_a_mode_in_the_jobs_code_is_told_so(tmp_path):
     """``SelectiveAC.Config(mode="op")`` in the job was refused as a --activation_checkpoint.mode flag the user never
     gave (a new user's trial): the class is named, and the mode it takes."""

@@ -594,6 +594,9 @@ def _statements(fn: ast.FunctionDef, name: str, label: str, notes: list[str],
         elif isinstance(stmt, ast.Return):
             returned = stmt.value
             break
+        elif isinstance(stmt, ast.Raise):  # (it was said to return nothing: a trial looked for a missing return)
+            raise PlannerError(f"{label}: line {stmt.lineno} of {name} raises ({cut_short(ast.unparse(stmt))}) before "
+                               "it returns a job: torchtitan would stop there too")
         elif (edit := _setattr(stmt)) is not None:  # setattr(config.x, "y", value): config.x.y = value
             edits.append(edit)
         elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):  # x.update(...), print(...)
