@@ -28,9 +28,8 @@ class StepRecorder:
                  ) -> None:
         self.events: list[Event] = []
         self.static_storages = static_storages  # params' and buffers': what they save or take is not activations
-        self.step_inputs = step_inputs  # the batch as the model takes it: ``Trace.inputs_nbytes``
-        # holds it all step, so an op saving it charges nothing (a first Linear saves its cast input, after the
-        # op that transposes its weight: it was charged twice)
+        self.step_inputs = step_inputs  # the batch as the model takes it: ``Trace.inputs_nbytes`` holds it all
+        # step, so an op saving it charges nothing (a first Linear saves its cast input: it was charged twice)
         # storages some call's inputs_nbytes already counts -> the param-holding call that took one last (None:
         # only paramless calls did): what a checkpoint of a later call keeps (``call_inputs``)
         self.input_storages: dict[StorageWeakRef, str | None] = {}
