@@ -393,6 +393,15 @@ def test_a_flag_turns_a_toml_job_s_checkpointing_off(tmp_path):
     assert read_config(TORCHTITAN, str(job)).keys["activation_checkpoint.mode"] == "full"
 
 
+def test_a_key_in_another_table_is_said_with_the_table_that_has_it(tmp_path):
+    """``enable_cpu_offload`` under [parallelism] was "not read: fsdp-planner does not know it" while [training]'s
+    is read (a trial's job was simulated without the offload it meant): the note names the table that has it."""
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\n[parallelism]\nenable_cpu_offload = true\n")
+    cfg = read_config(TORCHTITAN, str(job))
+    assert "parallelism.enable_cpu_offload is not read: [parallelism] has no such key, training.enable_cpu_offload " \
+        "is one" in " ".join(cfg.notes), cfg.notes
+
+
 def test_an_option_that_agrees_with_a_default_setting_is_taken(tmp_path):
     """The same values as the job's defaults pass, and leave auto free where the command is plan's."""
     job = titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 8\n")

@@ -315,7 +315,13 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
         # a registry job's token counts stand for the TOML's batch and sequence keys (read into them before here)
         near = (known - TOML_TOKEN_KEYS) | set(TOKENS) if cfg.registry and section == "training" else known
         for key in _table(cfg, data, section):
-            if key not in known:
+            elsewhere = [s for s, keys in TITAN_SECTION_KEYS.items() if s != section and key in keys]
+            if key not in known and elsewhere:  # (a trial's [parallelism] enable_cpu_offload: a note easy to miss
+                # beside a job simulated without the offload it asked for)
+                cfg.notes.append(f"{section}.{shown_key(key)} is not read: [{section}] has no such key, "
+                                 f"{elsewhere[0]}.{key} is one (a key in the wrong table stays at its default, and "
+                                 "torchtitan refuses a table's unknown field)")
+            elif key not in known:
                 _unknown_key(cfg, f"[{section}]", key, near)
     _titan_model(cfg, _table(cfg, data, "model"))
     _titan_training(cfg, _table(cfg, data, "training"))
