@@ -1075,6 +1075,14 @@ def test_auto_says_why_it_screens_no_tp_on_a_model_of_one_s_own(capsys, tmp_path
                    "    return lm.model, lm.example_inputs, lm.loss_fn\n")
     assert main(["plan", f"{own}:build", "--policy", "auto", "--cluster", "h100:16"]) == 0
     assert "this model's batch is not known (give --batch N to screen TP" in capsys.readouterr().err
+    # a factory's default batch is read where it can be given back by name and is within --batch's bounds (a review:
+    # a positional-only one failed the factory)
+    from fsdp_planner.models import ModelSpec, with_own_batch
+
+    odd = tmp_path / "odd.py"
+    odd.write_text("def positional(batch_size=4, /):\n    pass\n\n\ndef huge(batch_size=10**9):\n    pass\n")
+    assert [with_own_batch(ModelSpec(s)).batch_size for s in (f"{odd}:positional", f"{odd}:huge", f"{own}:batched",
+                                                               "toy-llama")] == [None, None, 4, None]
     # a factory with a default batch: screened at it without --batch (auto screened none, asking for --batch)
     assert main(["plan", f"{own}:batched", "--policy", "auto", "--cluster", "h100:16"]) == 0
     out = capsys.readouterr()
@@ -1199,6 +1207,10 @@ def test_a_pair_kind_no_degree_splits_by_heads_is_left_whole_and_the_others_kept
     assert main(["verify", f"{fixtures}:mqa_blocks", "--policy", "titan", "--tp", "2", "--fake-world-size", "4",
                  "--precision", "fp32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["counts_and_bytes_exact"]
+    # a kind another degree splits refuses the degree asked for, not left whole (a review: --tp 3 of 32 heads)
+    assert main(["plan", f"{fixtures}:llama_blocks", "--policy", "titan", "--tp", "8", "--cluster", "h100:8"]) == 2
+    assert "--tp 8 must give each rank whole attention heads of 0.wq: its 32 output features are 4 heads of 8" in \
+        capsys.readouterr().err
 
 
 def test_simulate_refuses_a_sequence_sequence_parallelism_cannot_split(capsys):

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from fsdp_planner.choices import ATTENTION_NAMES
 from fsdp_planner.errors import PlannerError, raised_at
-from fsdp_planner.limits import MAX_LOSS_CHUNKS
+from fsdp_planner.limits import MAX_BATCH, MAX_LOSS_CHUNKS
 from fsdp_planner.models import encdec, gpt2, hf, llama, lora, moe, seed, vit
 from fsdp_planner.models.on_meta import meta_init
 from fsdp_planner.patching import TORCHAO_LOGGERS, patched, quiet_loggers
@@ -201,9 +201,11 @@ def with_own_batch(spec: ModelSpec) -> ModelSpec:
     file (again)."""
     if spec.batch_size is not None or spec.name in BUILTINS or hf.is_hf(spec.name):
         return spec
-    default = workload_defaults(resolve_factory(spec.name)).get("batch_size")
-    if not isinstance(default, int) or isinstance(default, bool) or default < 1:
-        return spec
+    factory = resolve_factory(spec.name)
+    default = workload_defaults(factory).get("batch_size")
+    if not isinstance(default, int) or isinstance(default, bool) or not 1 <= default <= MAX_BATCH or \
+            inspect.signature(factory).parameters["batch_size"].kind is inspect.Parameter.POSITIONAL_ONLY:
+        return spec  # (a positional-only one cannot be given back by name: a review)
     return replace(spec, batch_size=default)
 
 

@@ -634,8 +634,13 @@ def _checked_pairs(tr: Trace, request: PolicyRequest, spec: ModelSpec, layout: L
                               left_whole=every - rows)
             try:
                 checked(alone)
-            except PlannerError as e:
-                failed[label] = e.reason if isinstance(e, LayoutDoesNotRun) else str(e)
+            except LayoutDoesNotRun as e:
+                failed[label] = e.reason
+            except PlannerError as e:  # a kind the layout check refuses at every degree (one kv head) is left
+                # whole; one that another degree splits refuses the degree asked for (--tp 3 of 32 heads)
+                if request.tp > 2 and _takes_degree_2(tr, request, spec, every - rows):
+                    raise whole from None
+                failed[label] = str(e)
         if len(failed) == len(kinds):
             raise whole from None
         left = frozenset().union(*(rows for label, rows in kinds if label in failed))
@@ -643,6 +648,17 @@ def _checked_pairs(tr: Trace, request: PolicyRequest, spec: ModelSpec, layout: L
                                              request.ep or 1, left_whole=left), named=request.tp_key)
         said = tuple(f"tensor-parallel pairs {label} left whole over TP: {why}" for label, why in failed.items())
         return dataclasses.replace(kept, notes=(*kept.notes, *said)), checked(kept)
+
+
+def _takes_degree_2(tr: Trace, request: PolicyRequest, spec: ModelSpec, left_whole: frozenset[str]) -> bool:
+    """Whether the detected layout less ``left_whole`` passes the model's own layout checks at TP 2 (no cluster or
+    sequence asked of it): the smallest degree, so a kind it refuses no degree takes."""
+    try:
+        check_layout(tr, tp_layout(tr, 2, spec, request.loss_parallel, request.async_tp, request.ep or 1,
+                                   left_whole=left_whole))
+    except PlannerError:
+        return False
+    return True
 
 
 def fitting(result: AutoResult) -> AutoResult:
