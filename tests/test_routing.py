@@ -177,11 +177,25 @@ def test_a_max_router_gives_each_expert_its_share_and_a_softmax_s_max_routes_not
     max kept for a hand-written softmax (keepdim) is no routing: a later mask keeps every row."""
     for keepdim, rows in ((False, 64 // 4), (True, 64)):
         with torch.device("meta"):
-            model, x = _MaxSwitchMoE(keepdim), torch.randn(64, 16)
+            model, x = torch.nn.Sequential(_MaxSwitchMoE(keepdim)), torch.randn(64, 16)
         tr = record(model, (x,))
-        expert_flops = sum(e.flops for e in tr.events if not e.backward and e.module.startswith("experts.")
+        expert_flops = sum(e.flops for e in tr.events if not e.backward and e.module.startswith("0.experts.")
                            and e.kernel > 0)
         assert expert_flops == 2 * rows * 16 * 16 * (1 if keepdim else 4)
+
+
+def test_a_max_outside_a_module_or_over_a_vocab_routes_nothing():
+    """A max over a vocab's logits (an accuracy beside the loss) or at the loss's top level is no router's: it set
+    the stand-in's experts to the vocab, and a mask of the labels after it kept one row in 4,096 (a review)."""
+    from fsdp_planner.routing import StandIn
+
+    aten = torch.ops.aten
+    for shape, module, routes in (((4096, 8), "layers.0.moe", True), ((4096, 8), "", False),
+                                  ((4096, 32000), "layers.0.head", False)):
+        stand_in = StandIn()
+        scores = torch.empty(shape, device="meta")
+        stand_in.call(aten.max.dim, (scores, -1), {}, module)
+        assert (stand_in.experts == shape[1]) is routes and (stand_in.experts is None) is not routes
 
 
 def test_only_ops_that_read_values_pass_through_the_stand_in(monkeypatch):

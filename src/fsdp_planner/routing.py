@@ -74,12 +74,17 @@ _REFUSAL_TEXTS = ("register_meta function for torch.nonzero", "cannot be called 
                   "a meta tensor without output_size")  # repeat_interleave by a tensor of counts
 
 
-def _top1_max(args: tuple, kwargs: dict) -> bool:
-    """Whether a ``max`` call is a top-1 router's: over the last dim of 2-D (tokens, experts) scores, without
-    keepdim (``max(dim)`` returns the indices beside the values)."""
+MAX_ROUTED_EXPERTS = 1024  # a max over more scores is no router's (a vocab's: a loss's accuracy over its logits)
+
+
+def _top1_max(args: tuple, kwargs: dict, module: str) -> bool:
+    """Whether a ``max`` call is a top-1 router's: in a module (not the loss's top level), over the last dim of 2-D
+    (tokens, experts) scores of at most ``MAX_ROUTED_EXPERTS``, without keepdim (``max(dim)`` returns the indices
+    beside the values)."""
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    return isinstance(dim, int) and dim in (-1, 1) and not keepdim and args[0].dim() == 2
+    return bool(module) and isinstance(dim, int) and dim in (-1, 1) and not keepdim and args[0].dim() == 2 \
+        and args[0].shape[-1] <= MAX_ROUTED_EXPERTS
 
 
 @dataclass
@@ -98,7 +103,7 @@ class StandIn:
     # the values the stand-in gives tensors it can place: storage -> value of the element at a storage offset
     values: dict[StorageWeakRef, tuple[StorageWeakRef, Callable[[int], int | bool]]] = field(default_factory=dict)
 
-    def saw(self, func: Any, args: tuple, kwargs: dict, out: Any = None) -> None:
+    def saw(self, func: Any, args: tuple, kwargs: dict, out: Any = None, module: str = "") -> None:
         """Note a ``topk``'s expert count and per-expert rows (its input is (tokens, experts) scores); an
         ``argmax`` over a dim is a top-1 router's (Switch Transformer's), k = 1, and so is a ``max`` over the last
         dim of (tokens, experts) scores without keepdim (``w, idx = p.max(-1)``: a trial's router, whose every
@@ -118,7 +123,7 @@ class StandIn:
             if not isinstance(found, int):  # argmax() over every element: no routing
                 return
             scores, k, dim = args[0], 1, found
-        elif packet is _aten.max and _top1_max(args, kwargs):
+        elif packet is _aten.max and _top1_max(args, kwargs, module):
             scores, k, dim = args[0], 1, -1
         else:
             return
@@ -212,7 +217,7 @@ class StandIn:
             if out is NOT_HANDLED:
                 raise
             return out
-        self.saw(func, args, kwargs, out)
+        self.saw(func, args, kwargs, out, module)
         return out
 
     def run(self, func: Any, args: tuple, kwargs: dict, module: str) -> Any:
