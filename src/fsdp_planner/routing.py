@@ -103,7 +103,7 @@ class StandIn:
     # the values the stand-in gives tensors it can place: storage -> value of the element at a storage offset
     values: dict[StorageWeakRef, tuple[StorageWeakRef, Callable[[int], int | bool]]] = field(default_factory=dict)
 
-    def saw(self, func: Any, args: tuple, kwargs: dict, out: Any = None, module: str = "") -> None:
+    def saw(self, func: Any, args: tuple, kwargs: dict, out: Any, module: str) -> None:
         """Note a ``topk``'s expert count and per-expert rows (its input is (tokens, experts) scores); an
         ``argmax`` over a dim is a top-1 router's (Switch Transformer's), k = 1, and so is a ``max`` over the last
         dim of (tokens, experts) scores without keepdim (``w, idx = p.max(-1)``: a trial's router, whose every
