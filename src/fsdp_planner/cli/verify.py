@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
@@ -35,6 +36,9 @@ from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.chunked_loss import output_layer
 from fsdp_planner.trace.records import Trace
+
+if TYPE_CHECKING:  # (the fake world imports torch.distributed's testing parts: loaded where it runs)
+    from fsdp_planner.runtime.fake_world import FakeWorldResult
 
 
 def run(args: argparse.Namespace) -> int:
@@ -352,18 +356,32 @@ def run_fake(request: FakeWorldRequest) -> int:
                          "predicted_memory_at_peak": predicted.memory_at_peak,
                          "predicted_reserved": predicted.reserved_memory, "counts_and_bytes_exact": exact,
                          "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
-                         "fsdp2_view_warnings": measured.view_outputs, "seconds": measured.seconds}, indent=2))
+                         "fsdp2_view_warnings": measured.view_outputs,
+                         "dtensor_sequential_reductions": measured.sequential_reductions,
+                         "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
+    _print_fake(rows, measured, predicted, options, model)
+    render.console.print("[green]PASS[/green]" if ok else "[red]FAIL[/red]")
+    return 0 if ok else 1
+
+
+def _print_fake(rows: dict[str, tuple[int, int]], measured: FakeWorldResult, predicted: StepReport,
+                options: SimOptions, model: ModelSpec) -> None:
+    """The fake world's counts and peak beside the prediction, and the library warnings it held, each said once."""
+    exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
     # (the label's batch is one micro-batch's: said so, or it reads as the --batch given)
     workload = render.workload_label(model.label(), options.micro_batches, options.gradient_sync)
-    title = f"{escape(workload)}: prediction vs real FSDP2 on {world} fake ranks ({measured.seconds:.1f} s)"
+    title = (f"{escape(workload)}: prediction vs real FSDP2 on {measured.world_size} fake ranks "
+             f"({measured.seconds:.1f} s)")
     render.console.print(render.fake_world_table(title, rows))
     if measured.view_outputs:
         skipped = "none was, every count above exact" if exact else "see the counts above"
         render.note(f"FSDP2 warned {fmt_count(measured.view_outputs, 'time')} that a module it hooks returned a view "
                     f"(an in-place op on that view would skip its group's pre-backward all-gather): {skipped}")
+    if measured.sequential_reductions:
+        render.note(f"DTensor warned {fmt_count(measured.sequential_reductions, 'time')} that it reduces a value "
+                    "partial over the FSDP and TP dims one mesh dim at a time (torchao's float8 amax of a weight "
+                    "sharded over both, as on a GPU): the float8 all-reduces above, one a mesh dim")
     render.console.print(f"peak: bytes allocated per rank; on a GPU the caching allocator would reserve "
                          f"{fmt_bytes(predicted.reserved_memory)} (predicted: the default stream's peak plus the "
                          "all-gather and reduce-scatter streams')")
-    render.console.print("[green]PASS[/green]" if ok else "[red]FAIL[/red]")
-    return 0 if ok else 1

@@ -114,6 +114,7 @@ class FakeWorldResult:
     float8_all_reduces: int | None = None  # with float8 all-gather: the amax all-reduces (else None)
     float8_all_reduce_bytes: int | None = None
     view_outputs: int = 0  # FSDP2's warnings that a group's module returned a view (``_held_view_warnings``)
+    sequential_reductions: int = 0  # DTensor's warnings of one reduction per mesh dim (``_held_redistribute_warnings``)
 
 
 def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[str, tuple[int, int]]:
@@ -714,14 +715,48 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     started = time.perf_counter()
     # (an op that fails on the fake ranks is said in one line: not also as fake tensors' logged stack)
     with fake_process_group(world_size), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
-            _held_view_warnings() as views, quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
+            _held_view_warnings() as views, _held_redistribute_warnings() as reductions, \
+            quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
         built, host_copies = build_fake(factory, spec.name, mode), HostCopies()
         shard(built.model, plan, world_size, precision, host_copies)
         training = FakeTraining(built, plan, how, spec, host_copies)
         for _ in range(steps):
             counts, nbytes = training.step()
     result = training.result(world_size, counts, nbytes, time.perf_counter() - started)
-    return dataclasses.replace(result, view_outputs=views[0])
+    return dataclasses.replace(result, view_outputs=views[0], sequential_reductions=reductions.held)
+
+
+# DTensor's warning (_redistribute.py) when a value partial over several mesh dims is reduced one dim at a time:
+# torchao's float8 amax of a weight sharded over FSDP x TP (precompute_float8_dynamic_scale_for_fsdp), as on a GPU
+SEQUENTIAL_REDUCTIONS = re.compile(r"sequential \w+ operations will be performed")
+REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+
+class _HeldRecords(logging.Filter):
+    """Drops and counts the records ``pattern`` matches; lets the others through."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern, self.held = pattern, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pattern.search(record.getMessage()):
+            self.held += 1
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _held_redistribute_warnings() -> Iterator[_HeldRecords]:
+    """DTensor's sequential-reduction warnings held back and counted: the caller says it once, beside the float8
+    all-reduce counts that are those reductions (one a mesh dim, as the model counts them), not once a rank."""
+    held = _HeldRecords(SEQUENTIAL_REDUCTIONS)
+    logger = logging.getLogger(REDISTRIBUTE_LOGGER)
+    logger.addFilter(held)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(held)
 
 
 # FSDP2's warning (_fsdp_state.py) when a module it hooks returns a view: an in-place op on that view would drop the
