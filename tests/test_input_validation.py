@@ -597,3 +597,18 @@ def test_check_without_a_cluster_meets_the_ranks_the_plan_was_made_for(tmp_path:
     found = json.loads(done.stdout)
     (error,) = [f for f in found if f["severity"] == "error"]
     assert error["code"] == "reshard-after-forward" and "divide the world size of 8 ranks" in error["message"]
+
+
+def test_calibrate_refuses_a_base_preset_of_another_gpu_than_the_logs(capsys, tmp_path: Path) -> None:
+    """H100 logs fitted onto the A100 preset (a trial: exit 0, 346 GB/s on the A100's 235 GB/s NVLink) are refused;
+    the logs' own GPU, or a cluster JSON of a GPU none of the presets is (the user's word), is taken."""
+    log = Path(__file__).parent / "fixtures" / "nccl" / "all_gather_perf_8xh100.log"
+    _fails(capsys, ["calibrate", str(log), "--base", "a100:8", "--out", str(tmp_path / "c.json")],
+           "the logs ran on \"NVIDIA H100 80GB HBM3\" (the h100 preset's H100-SXM-80GB) but the base cluster "
+           "\"a100:8\" has A100-SXM4-80GB GPUs")
+    assert not (tmp_path / "c.json").exists()
+    assert main(["calibrate", str(log), "--base", "h100:8", "--out", str(tmp_path / "c.json")]) == 0
+    own = json.loads((tmp_path / "c.json").read_text())
+    own["gpu"]["name"] = "my-h100"
+    (tmp_path / "own.json").write_text(json.dumps(own))
+    assert main(["calibrate", str(log), "--base", str(tmp_path / "own.json"), "--out", str(tmp_path / "d.json")]) == 0

@@ -40,7 +40,7 @@ from fsdp_planner.hardware.cluster import (
     preset_cluster,
     with_fits,
 )
-from fsdp_planner.userfiles import read_bytes
+from fsdp_planner.userfiles import read_bytes, shown_json
 
 # nccl-tests type names -> bytes per element
 _WORD = {
@@ -548,6 +548,21 @@ def _base_from_logs(tables: Sequence[NcclTable]) -> Cluster:
     return preset_cluster(key, nodes=nodes, gpus_per_node=per_node)
 
 
+def _check_base_gpu(tables: Sequence[NcclTable], base: Cluster) -> None:
+    """A base that is another preset's GPU than the one the logs' device lines name is refused: its links would carry
+    the fits of another machine's (a trial's H100 logs fitted onto the A100 preset's NVLink, 346 GB/s on 235). A base
+    whose GPU is none of the presets' (the user's own cluster JSON) is the user's word for the machine."""
+    presets = {g.name: k for k, g in GPUS.items()}
+    if base.gpu.name not in presets:
+        return
+    for name in sorted({g for t in tables for g in (t.gpu_names or ((t.gpu_name,) if t.gpu_name else ()))}):
+        key = _preset_for(name)
+        if key is not None and GPUS[key].name != base.gpu.name:
+            raise PlannerError(f"the logs ran on {shown_json(name)} (the {key} preset's {GPUS[key].name}) but the "
+                               f"base cluster {shown_json(base.name)} has {base.gpu.name} GPUs: give a base of the logs' "
+                               f"GPU ({key}:N or a cluster JSON of it), or leave --base out to take it from the logs")
+
+
 def calibrate(
     paths: str | Path | Iterable[str | Path],
     base: Cluster | None = None,
@@ -562,6 +577,8 @@ def calibrate(
     group sizes and scales the model by them for other sizes of the same one-node/multi-node regime.
     """
     tables, fits = fit_logs(paths, kind=kind, ranks=ranks, note=note)
+    if base is not None:
+        _check_base_gpu(tables, base)
     cluster = base if base is not None else _base_from_logs(tables)
     table: Fits = {}
     for f in fits:
