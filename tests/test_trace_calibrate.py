@@ -64,7 +64,10 @@ def test_gzip_trace_reads_the_same(tmp_path: Path) -> None:
     ('{"nodes": []}', "not a Chrome trace"),
     ('{"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1, "dur": 1}]}', "no ProfilerStep#"),
     ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 1, "dur": -5}]}',
-     "has ProfilerStep# ranges but none with a time a profiler writes"),  # (it said it had none)
+     "has ProfilerStep# ranges but none a profiler writes \\(the first: its 'dur' is not a non-negative number"),
+    # (it said it had none; then, of a step whose args were a list, that its time was not one a profiler writes)
+    ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 1, "dur": 5, "args": [1]}]}',
+     "the first: its 'args' is not an object"),
     ("\x80\x04\x95pickle", "not text"),
 ])
 def test_bad_traces_are_one_line(tmp_path: Path, text: str, words: str) -> None:
@@ -83,7 +86,8 @@ def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:
     # the steps read as another job's ("its steps hold no ops": a new user's trial)
     data["traceEvents"] += [{"ph": "X", "name": 5, "ts": 1, "dur": 1}, {"ph": "X", "name": "x", "ts": "1"},
                             {"ph": "X", "name": "y", "ts": 1e20, "dur": 1}]
-    with pytest.raises(PlannerError, match=r"has 3 complete events \('ph': 'X'\) without a name and a time"):
+    with pytest.raises(PlannerError, match=r"has 3 complete events \('ph': 'X'\) a profiler would not write \(the "
+                                           r"first: its 'name' is not a string\)"):
         _read(data, tmp_path)
     data["traceEvents"] = data["traceEvents"][:-3]
     comm = next(e for e in data["traceEvents"] if e.get("name") == "record_param_comms")
@@ -123,8 +127,8 @@ def test_damaged_traces_are_one_line(tmp_path: Path) -> None:
     # traceEvents read): both had been read without a word (a trial)
     data, _ = gpu_trace(steps=2)
     next(e for e in data["traceEvents"] if e.get("cat") == "kernel")["args"] = "x"
-    with pytest.raises(PlannerError, match=r"has 1 complete event \('ph': 'X'\) without .* and 'args', where given, "
-                                           r"an object\): an edited or damaged trace"):
+    with pytest.raises(PlannerError, match=r"has 1 complete event \('ph': 'X'\) a profiler would not write \(the "
+                                           r"first: its 'args' is not an object\): an edited or damaged trace"):
         _read(data, tmp_path)
     text = json.dumps(gpu_trace(steps=2)[0])
     (tmp_path / "twice.json").write_text(text[:-1] + ', "traceEvents": []}')

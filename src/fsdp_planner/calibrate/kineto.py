@@ -299,18 +299,19 @@ def _step_marks(raw_events: list, events: list[_Event], label: str) -> list[_Eve
     marks = sorted((e for e in events if e.name.startswith("ProfilerStep#") and e.cat not in GPU_RANGES),
                    key=lambda e: e.ts)
     if not marks:
-        if any(isinstance(e, dict) and str(e.get("name", "")).startswith("ProfilerStep#") for e in raw_events):
-            raise PlannerError(f"{label} has ProfilerStep# ranges but none with a time a profiler writes (a "
-                               f"complete event, 'ph': 'X', with a 'ts' and a non-negative 'dur' in microseconds, at "
-                               f"most {MAX_MICROSECONDS:g}): an edited or damaged trace")
+        step = next((e for e in raw_events if isinstance(e, dict) and str(e.get("name", "")).startswith(
+            "ProfilerStep#")), None)
+        if step is not None:
+            why = "its 'ph' is not 'X' (a complete event)" if step.get("ph") != "X" else _damage(step)
+            raise PlannerError(f"{label} has ProfilerStep# ranges but none a profiler writes (the first: {why}): "
+                               "an edited or damaged trace")
         raise PlannerError(f"{label} has no ProfilerStep# ranges: not a torch.profiler trace of training steps "
                            "(profile with a schedule and call prof.step() once a step)")
-    damaged = sum(1 for e in raw_events if isinstance(e, dict) and e.get("ph") == "X") - len(events)
+    damaged = [e for e in raw_events if isinstance(e, dict) and e.get("ph") == "X" and _damage(e) is not None]
     if damaged:  # (dropped, an op's time went missing from the steps, which then read as another job's)
-        raise PlannerError(f"{label} has {damaged:,} complete event{'s' if damaged > 1 else ''} ('ph': 'X') without a "
-                           f"name and a time a profiler writes (a string 'name', a 'ts' and a non-negative 'dur' in "
-                           f"microseconds, at most {MAX_MICROSECONDS:g}, and 'args', where given, an object): an "
-                           "edited or damaged trace")
+        raise PlannerError(f"{label} has {len(damaged):,} complete event{'s' if len(damaged) > 1 else ''} ('ph': 'X') "
+                           f"a profiler would not write (the first: {_damage(damaged[0])}): an edited or damaged "
+                           "trace")
     if len(marks) > MAX_STEPS:
         raise PlannerError(f"{label} has {len(marks):,} steps, over the {MAX_STEPS:,} read")
     overlapping = next((i for i in range(1, len(marks)) if marks[i].ts < marks[i - 1].ts + marks[i - 1].dur
@@ -333,17 +334,25 @@ def _int_field(info: dict, key: str, default: int, label: str) -> int:
 
 def _event(e: Any) -> _Event | None:
     """A complete event with a finite, bounded time; anything else is skipped (metadata, flows, instants)."""
-    if not isinstance(e, dict) or e.get("ph") != "X":
-        return None
-    ts, dur, name = e.get("ts"), e.get("dur", 0), e.get("name")
-    if not isinstance(name, str) or not _time(ts) or not _time(dur) or dur < 0:
-        return None
-    args = e.get("args", {})
-    if not isinstance(args, dict):  # (damaged: its correlation and sizes gone, it read as another op)
+    if not isinstance(e, dict) or e.get("ph") != "X" or _damage(e) is not None:
         return None
     cat = e.get("cat")
-    return _Event(name[:MAX_NAME], cat if isinstance(cat, str) else "", float(ts), float(dur),
-                  str(e.get("tid", ""))[:100], args)
+    return _Event(e["name"][:MAX_NAME], cat if isinstance(cat, str) else "", float(e["ts"]), float(e.get("dur", 0)),
+                  str(e.get("tid", ""))[:100], e.get("args", {}))
+
+
+def _damage(e: dict) -> str | None:
+    """What keeps a complete event from being read, said as a profiler writes it (None: nothing)."""
+    ts, dur = e.get("ts"), e.get("dur", 0)
+    if not isinstance(e.get("name"), str):
+        return "its 'name' is not a string"
+    if not _time(ts):
+        return f"its 'ts' is not a number of microseconds, at most {MAX_MICROSECONDS:g}"
+    if not _time(dur) or dur < 0:
+        return f"its 'dur' is not a non-negative number of microseconds, at most {MAX_MICROSECONDS:g}"
+    if not isinstance(e.get("args", {}), dict):  # (damaged: its correlation and sizes gone, it read as another op)
+        return "its 'args' is not an object"
+    return None
 
 
 def _time(value: Any) -> bool:
