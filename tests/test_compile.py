@@ -23,7 +23,7 @@ from fsdp_planner.choices import SacPolicy
 from fsdp_planner.cli import main
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.models.llama import LLAMA3_8B, TransformerBlock
@@ -417,3 +417,55 @@ def test_a_block_with_dropout_compiles_under_selective_checkpointing():
 
     tr = trace_spec(ModelSpec("hf:gpt2", batch_size=1, seq_len=128, compile=True))
     assert tr.compiled and len(tr.compiled) == 12
+
+
+class _Widening(nn.Module):
+    """Blocks of one class with params of other shapes (a UNet's widths): each needs a graph of its own."""
+
+    class Block(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.fc(x)) + x
+
+    def __init__(self, widths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(self.Block(d) for d in widths)
+
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [block(x) for block, x in zip(self.blocks, xs, strict=True)]
+
+
+@pytest.mark.integration  # four inductor compiles of a Linear, twice (apply_plan's and the export's)
+def test_blocks_of_one_class_and_other_widths_compile_past_dynamo_s_recompile_limit(tmp_path) -> None:
+    """Each compiled block of one class with params of another shape takes an entry of dynamo's cache of their shared
+    forward: past ``recompile_limit`` under fullgraph=True the step raised FailOnRecompileLimitHit (a trial's UNet of
+    10 ResBlocks, in verify and in the exported code). apply_compile and the export make room for them; the limit
+    is set low here so four blocks cross it."""
+    import importlib.util
+
+    from fsdp_planner.apply.export import ExportFormat, export_plan
+
+    widths = (4, 8, 12, 16)
+    names = [f"blocks.{i}" for i in range(len(widths))]
+    plan = Plan([Group([""], [], False)], "", 0, model="widening.py:build", compiled=names)
+    path = tmp_path / "exported.py"
+    path.write_text(export_plan(plan, ExportFormat.PYTHON))
+    assert "dynamo.recompile_limit = max(" in path.read_text()
+    assert "recompile_limit" not in export_plan(plan.replace(compiled=[]), ExportFormat.PYTHON)
+    spec = importlib.util.spec_from_file_location("exported", path)
+    exported = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exported)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29573")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'pg'}")
+    try:
+        for apply in (lambda m: apply_compile(m, names), exported.apply):
+            model = _Widening(widths)
+            with torch._dynamo.config.patch(recompile_limit=2):
+                apply(model)
+                model([torch.randn(2, d) for d in widths])
+            torch._dynamo.reset()
+    finally:
+        dist.destroy_process_group()

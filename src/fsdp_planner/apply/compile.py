@@ -10,6 +10,7 @@ what AOTAutograd's partitioner chose (what the planner measured, ``trace/compile
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,23 @@ def apply_compile(model: nn.Module, names: Sequence[str]) -> None:
     if names:
         compilable()
         routing.compilable()
+        make_room_for_recompiles([modules[n] for n in names])
     for n in names:
         module = modules[n]
         module.forward = torch.compile(module.forward, fullgraph=True)  # type: ignore[method-assign]
+
+
+# each compiled forward may need a second graph: automatic dynamic shapes recompile once for a new batch size
+GRAPHS_PER_MODULE = 2
+
+
+def make_room_for_recompiles(modules: Sequence[nn.Module]) -> None:
+    """Dynamo caches compiled graphs per code object, ``recompile_limit`` (8) deep, and under ``fullgraph=True`` a
+    miss past the limit raises. Modules of one class whose params differ in shape (a UNet's blocks of several
+    widths) share their forward's code but each needs a graph of its own (params' shapes are static:
+    ``force_parameter_static_shapes``): a trial's 10 ResBlocks failed with FailOnRecompileLimitHit. The limits are
+    raised (never lowered) to ``GRAPHS_PER_MODULE`` graphs for every compiled module sharing a forward."""
+    forwards = Counter(getattr(m.forward, "__func__", m.forward).__code__ for m in modules)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, GRAPHS_PER_MODULE * max(forwards.values(), default=0))
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, GRAPHS_PER_MODULE * len(modules))

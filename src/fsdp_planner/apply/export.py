@@ -174,6 +174,7 @@ Each entry of GROUPS is one ``fully_shard`` call: (module names, reshard_after_f
 
 from __future__ import annotations
 
+import collections
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -605,6 +606,18 @@ def float8_constants(f8: Float8) -> str:
 
 
 TP_APPLY_LINE = MESH_LINE
+COMPILE_LINE = ("    for name in COMPILED:  # then torch.compile, each module on its own, as torchtitan compiles its "
+                "blocks\n")
+# (written where the plan compiles: blocks of one class whose params differ in shape need a graph each)
+RECOMPILE_ROOM = (
+    "    # blocks of one class with params of other shapes each need a graph of their own in dynamo's cache of their\n"
+    "    # shared forward: room for two each (a new batch size recompiles once), or fullgraph=True fails at the limit\n"
+    "    forwards = collections.Counter(getattr(modules[n].forward, \"__func__\", modules[n].forward).__code__\n"
+    "                                   for n in COMPILED)\n"
+    "    dynamo = torch._dynamo.config\n"
+    "    dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * max(forwards.values()))\n"
+    "    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 2 * len(COMPILED))\n"
+)
 TP_SPLIT = """    mesh, tp_mesh = split_mesh(mesh)  # TP: parallelize_module over tp first, then FSDP over the dp dims
     tensor_parallel(model, tp_mesh)
 """
@@ -1160,6 +1173,9 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         constants += f"FP32_GROUPS: list[int] = {py_literal(fp32)}  # groups computing in fp32 (full_precision)\n"
         body = body.replace(GROUP_SHARD, FP32_GROUP_SHARD)
         tails += FP32_TAIL
+    if plan.compiled:
+        assert COMPILE_LINE in body
+        body = body.replace(COMPILE_LINE, RECOMPILE_ROOM + COMPILE_LINE)
     tail = TAILS[fmt]
     if plan.tensor_parallel is not None:
         header, constants, body = with_tensor_parallel(header, constants, body, plan.tensor_parallel, plan.float8)

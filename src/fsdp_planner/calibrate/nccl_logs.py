@@ -559,8 +559,9 @@ def _check_base_gpu(tables: Sequence[NcclTable], base: Cluster) -> None:
         key = _preset_for(name)
         if key is not None and GPUS[key].name != base.gpu.name:
             raise PlannerError(f"the logs ran on {shown_json(name)} (the {key} preset's {GPUS[key].name}) but the "
-                               f"base cluster {shown_json(base.name)} has {base.gpu.name} GPUs: give a base of the logs' "
-                               f"GPU ({key}:N or a cluster JSON of it), or leave --base out to take it from the logs")
+                               f"base cluster {shown_json(base.name)} has {base.gpu.name} GPUs: give a base of the "
+                               f"logs' GPU ({key}:N or a cluster JSON of it), or leave --base out to take it from the "
+                               "logs")
 
 
 def calibrate(
