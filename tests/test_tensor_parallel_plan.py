@@ -537,6 +537,29 @@ def test_a_style_torch_cannot_apply_is_refused():
         check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "norm": TPStyle.SEQUENCE_PARALLEL}), None))
 
 
+class TorchAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.pair = nn.MultiheadAttention(8, 2, batch_first=True), Pair(8, 16)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.pair(self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_a_style_on_a_module_whose_forward_the_step_never_calls_is_refused():
+    """nn.MultiheadAttention reads its out_proj's weight itself and never calls out_proj: a style on it passed check
+    and simulate (its TP costing nothing) and failed the ranks with 'mixed torch.Tensor and DTensor' (a trial)."""
+    from fsdp_planner.planners.tensor_parallel import plan_layout
+
+    tr = traced(TorchAttention(), 8)
+    pair = {"pair.up": TPStyle.COLWISE, "pair.down": TPStyle.ROWWISE}
+    check_layout(tr, plan_layout(tr, TensorParallel(2, pair), None))  # the called pair alone is sound
+    for style in (TPStyle.COLWISE_GATHER, TPStyle.ROWWISE):
+        with pytest.raises(PlannerError, match=rf"^the tensor-parallel style {style.value} of attn.out_proj: the "
+                                               "step never calls its forward"):
+            check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "attn.out_proj": style}), None))
+
+
 def test_a_rowwise_linear_is_fed_by_a_colwise_one():
     """A rowwise Linear takes its input sharded on the features: a feed-forward's first Linear made rowwise after
     attention's rowwise output projection (its output whole) is refused; colwise then rowwise passes."""

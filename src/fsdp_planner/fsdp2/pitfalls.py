@@ -383,9 +383,6 @@ def _called_after_forward(trace: Trace) -> set[str]:
 
 def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
     out = []
-    methods: dict[str, int] = {}
-    for m, _ in trace.method_calls:
-        methods[m] = methods.get(m, 0) + 1
     late = _called_after_forward(trace)
     subtree = trace.index.subtree_params
     for i, g in enumerate(plan.inner_groups):
@@ -412,7 +409,7 @@ def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
                                f"shard {_path(m)} in a group of its own (fully_shard({_name(m)})), never gathered",
                                m))
         for m in g.modules:
-            calls = trace.modules[m].calls - methods.get(m, 0)
+            calls = trace.forward_calls(m)
             if calls > 1:
                 # a warning: the upstream bug does not hit every model (the fixture 'twice' trains with it)
                 out.append(Finding(Severity.WARNING, Code.LIST_GROUP_REUSE,

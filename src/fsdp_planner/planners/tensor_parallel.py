@@ -676,6 +676,11 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
                                "(the head dim its attention runs at): choose a degree that divides them")
     _check_per_head_params(trace, tp, layout.heads, head_dim, linears, asked)
     for module, style in tp.styles(trace.modules).items():
+        if not trace.forward_calls(module):
+            raise PlannerError(f"the tensor-parallel style {style.value} of {module}: the step never calls its "
+                               "forward (its params are read by another module's forward, as nn.MultiheadAttention "
+                               "reads its out_proj's), so the style's hooks would never run and its sharded params "
+                               "would meet whole tensors: give it no style")
         _check_module(trace, module, style, d, asked)
         if trace.modules[module].output_modified:
             raise PlannerError(f"the tensor-parallel style {style.value} of {module}: the model modifies its output "

@@ -117,6 +117,11 @@ class Trace:
         """(module, method) pairs the step calls, in call order, each once."""
         return list(dict.fromkeys((m, name) for (m, _), name in self.method_calls.items()))
 
+    def forward_calls(self, module: str) -> int:
+        """The step's calls of ``module``'s forward (its calls less those of its other methods): where its hooks,
+        FSDP2's and a TP style's, run."""
+        return self.modules[module].calls - sum(1 for m, _ in self.method_calls if m == module)
+
     @cached_property
     def index(self) -> TraceIndex:
         return TraceIndex(self.params, self.modules, self.events)
