@@ -282,6 +282,24 @@ def test_ep_screen_simulates_each_degree_and_picks_the_fastest_that_fits() -> No
     assert best_ep_option(found, 1) is None
 
 
+def test_ep_in_the_blocks_calls_of_a_plan_resharding_to_an_int_reshards_those_calls_whole() -> None:
+    """A call resharding to an int holds no experts on a per-param mesh, and the screen skipped the plan under the
+    blocks' placement asked for (a torchtitan registry job's): auto's flat layout then had no EP option, and auto
+    chose a slower HSDP one (a trial's Qwen3-30B-A3B job, 10% slower than the job's one-key edit). The plan is tried
+    with those calls resharded whole."""
+    from fsdp_planner.planners.expert_parallel import ep_options
+
+    tr = _traced()
+    plan = TorchtitanPolicy("MoEBlock").plan(tr).with_group(1, reshard_after_forward=2)
+    found = ep_options(tr, plan, parse_cluster("h100:8"), BF16, degrees=(2,), per_param=(True,))
+    assert [(o.degree, o.degree > 1 and o.plan.expert_parallel.per_param_mesh) for o in found] == \
+        [(1, False), (2, True), (2, True)]
+    assert not any(isinstance(g.reshard_after_forward, int) and not isinstance(g.reshard_after_forward, bool)
+                   for o in found for g in o.plan.groups[:-1] if o.degree > 1)
+    own = ep_options(tr, plan, parse_cluster("h100:8"), BF16, degrees=(2,), per_param=(False,))
+    assert 2 in [g.reshard_after_forward for g in own[1].plan.groups]  # in the experts' own calls the int is kept
+
+
 def test_ep_checkpoints_only_what_it_still_needs() -> None:
     """The EP option chosen checkpoints the fewest of its modules that fit (EP shrinks the experts' shards, so the
     search's checkpointing for the step without EP can be more than it needs: Qwen3-30B-A3B on 32 H100s kept 12
