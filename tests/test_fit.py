@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from conftest import run_main
@@ -563,3 +564,21 @@ def test_a_row_where_offload_did_not_fit_either_says_its_figures_are_without_it(
     assert _described(point) == "1x8, 36 AC, shown without CPU offload, which does not fit either"
     assert _described(dataclasses.replace(point, complete=False)) == "1x8, 36 AC, offload not tried"
     assert _described(dataclasses.replace(point, fits=True)) == "1x8, 36 AC"
+
+
+@pytest.mark.integration  # ~10 s: auto's fit searched up to 1,024 GPUs
+def test_a_config_job_offloading_over_the_budget_is_said_as_the_config_s_step(tmp_path, capsys):
+    """simulate --from-torchtitan of a job that offloads and is still over the budget (8B at 131,072 tokens, never
+    resharding): the verdict gave the config's own step as "auto's plan takes 59.9 s", a plan that held 486 GiB
+    (a trial). It is the config's job's, with what it holds."""
+    job = tmp_path / "offloading.toml"
+    job.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 1\nseq_len = 131072\n'
+                   'enable_cpu_offload = true\n[parallelism]\ndata_parallel_shard_degree = 8\n'
+                   'fsdp_reshard_after_forward = "never"\n[activation_checkpoint]\nmode = "selective"\n'
+                   'selective_ac_option = "op"\n')
+    assert main(["simulate", "--from-torchtitan", str(job), "--cluster", "h100", "--quiet", "--search-effort",
+                 "0"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert re.fullmatch(r"nothing fits h100:8 without CPU offload, nor on up to 1,024 H100-SXM-80GB; with CPU "
+                        r"offload on h100:8 the config's job takes [\d.]+ s a step and holds \d+ GiB, over the "
+                        r"budget", first), first

@@ -160,8 +160,7 @@ def _verdict(args: argparse.Namespace, from_config: bool, tr: Trace, plan: Plan,
     auto = dataclasses.replace(policy_request(args, PolicyName.AUTO.value), checkpointing=None, mesh=None)
     plain = options.with_memory_options(False, options.shard_placement)
     job = PlanJob(model_spec(args), (auto,), cluster, plain, budget)
-    verdict = config_verdict(job, tracer(False, args.full_trace), tr, report.step_time if plan.offload else None,
-                             REPORTER)
+    verdict = config_verdict(job, tracer(False, args.full_trace), tr, report if plan.offload else None, REPORTER)
     if verdict is not None and args.no_offload:
         raise PlannerError(f"{verdict} (--no-offload)")
     if verdict is None and not budget.fits(report.reserved_memory):  # (the fit: note above is auto's own plan)

@@ -52,6 +52,7 @@ from fsdp_planner.service.planning import (
 )
 from fsdp_planner.sim.compute import peak_flops
 from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.sim.sizing import shard_dims
 from fsdp_planner.trace.records import Trace
 
@@ -358,10 +359,10 @@ class Fewest:
     most: int
     gpu: str
 
-    def line(self, cluster: str, offload_step: float | None = None) -> str:
+    def line(self, cluster: str, offload_step: float | None = None, who: str = "auto's plan") -> str:
         """The verdict, one line: nothing fits without offload, the fewest GPUs that fit without, and (given) what
-        auto's plan with CPU offload takes a step."""
-        cost = f"; with CPU offload on {cluster.split(' ')[0]} auto's plan takes {fmt_time(offload_step)} a step" \
+        ``who``, with CPU offload, takes a step."""
+        cost = f"; with CPU offload on {cluster.split(' ')[0]} {who} takes {fmt_time(offload_step)} a step" \
             if offload_step is not None else ""
         if self.point is None:
             return f"nothing fits {cluster} without CPU offload, nor on up to {self.most:,} {self.gpu}{cost}"
@@ -400,11 +401,12 @@ def offload_verdict(outcome: PlanOutcome, tracer: Tracer, reporter: Reporter = S
     return fewest.line(job.cluster.name, search.report.step_time)
 
 
-def config_verdict(job: PlanJob, tracer: Tracer, trace: Trace, offload_step: float | None,
+def config_verdict(job: PlanJob, tracer: Tracer, trace: Trace, offloaded: StepReport | None,
                    reporter: Reporter = SILENT, most: int = DEFAULT_MOST_GPUS) -> str | None:
     """``simulate --from-*`` of a config job that offloads or is over the budget: when auto fits nothing without
-    CPU offload on the job's cluster either, the verdict (``Fewest.line``, ``offload_step``: the config's own step
-    when it offloads); None when auto's plan fits without it (``plan --from-...`` shows it)."""
+    CPU offload on the job's cluster either, the verdict (``Fewest.line``, ``offloaded``: the config's own step
+    when it offloads, said as the config's and, over the budget, with what it holds: a trial read a config's step
+    said as auto's plan's); None when auto's plan fits without it (``plan --from-...`` shows it)."""
     assert job.cluster is not None
     points = Points(job, tracer, None, reporter)
     points.traces[(0, 0)] = trace
@@ -412,4 +414,9 @@ def config_verdict(job: PlanJob, tracer: Tracer, trace: Trace, offload_step: flo
         return None
     reporter.note(f"nothing fits {job.cluster.name} without CPU offload: searching the fewest {job.cluster.gpu.name} "
                   f"that fit it (auto at each count tried, up to {most:,}: a large model takes a minute or two)")
-    return fewest_without_offload(job, tracer, most, reporter, trace=trace).line(job.cluster.name, offload_step)
+    fewest = fewest_without_offload(job, tracer, most, reporter, trace=trace)
+    if offloaded is None:
+        return fewest.line(job.cluster.name)
+    held = "" if job.budget.fits(offloaded.reserved_memory) else \
+        f" and holds {fmt_bytes(offloaded.reserved_memory)}, over the budget"
+    return fewest.line(job.cluster.name, offloaded.step_time, "the config's job") + held
