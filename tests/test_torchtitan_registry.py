@@ -894,6 +894,8 @@ def _base(tp: int, seq: int = 4096, *, flavor: str = "70B") -> Trainer.Config:
      "max_context_length=2 ** 12, num_tokens_per_microbatch_per_dp_rank=2 ** 14))\n", (4096, 4, 1, '"8B"')),
     ("    config = _base(8)\n    config.compile = CompileConfig(enable=True, components=['loss'])\n    return config\n",
      (4096, 2, 8, '"70B"')),  # deepseek_v3_671b's: the model eager (tests/test_job_config.py)
+    ("    config = _base(8)\n    config.compile = CompileConfig(enable=True, components=('loss',))\n"
+     "    return config\n", (4096, 2, 8, '"70B"')),  # a tuple, as Python runs it (a trial's: refused as no list)
     ("    config = _base(2, 2048)\n    config.training.max_context_length = 1024\n    return config\n",
      (1024, 4, 2, '"70B"')),  # the edit after the call: the tokens stay 2 x 2048
 ])

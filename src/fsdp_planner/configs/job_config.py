@@ -358,7 +358,8 @@ def _components(cfg: JobConfig, value: Any) -> list[str]:
     """``compile.components`` as a list of torchtitan's names: a flag's value (``--compile.components loss``,
     ``model,loss``, ``["loss"]``) or the file's list; anything else one error (a misspelled name compiled nothing,
     said as a note, and a bare flag compiled the model alone)."""
-    items = re.findall(r"[^\s,\[\]'\"]+", value) if isinstance(value, str) else value
+    items = re.findall(r"[^\s,\[\]'\"]+", value) if isinstance(value, str) else \
+        list(value) if isinstance(value, tuple) else value  # (a registry's Python may give a tuple: it runs as one)
     if not isinstance(items, list) or not all(isinstance(v, str) and v in COMPILE_COMPONENTS for v in items):
         raise PlannerError(f"{cfg.kind} config '{cfg.path}': compile.components = {shown_json(value)} is not a list "
                            f"of torchtitan's components ({' and '.join(map(shown_json, COMPILE_COMPONENTS))})")
