@@ -277,6 +277,22 @@ def test_export_never_overwrites_a_plan_with_code(capsys, tmp_path):
     assert run_main(capsys, "export", str(plan), "--out", str(written))[0] == 0  # its own code: written again
 
 
+def test_an_accelerate_export_beside_the_user_s_code_names_a_yaml_it_can_write(capsys, tmp_path):
+    """The accelerate export's hook (the YAML's name, .py) is the user's model file: the refusal suggested
+    'mynet_plan.py', which the next run refused as no .yaml (a trial). It names another --out, a .yaml, that runs."""
+    plan, model = tmp_path / "plan.json", tmp_path / "mynet.py"
+    assert cli.main(["plan", "seed-net", "--policy", "order", "--out", str(plan)]) == 0
+    model.write_text("import torch\n")
+    capsys.readouterr()
+    yaml, other = tmp_path / "mynet.yaml", tmp_path / "mynet_plan.yaml"
+    code, _, err = run_main(capsys, "export", str(plan), "--format", "accelerate", "--out", str(yaml))
+    assert_one_line_error(code, err, f"--out '{yaml}' writes its Python hook beside it as '{model}', which already "
+                                     "exists and is not code fsdp-planner export wrote: refusing to overwrite it (give "
+                                     f"another --out, e.g. {other}")
+    assert model.read_text() == "import torch\n"
+    assert run_main(capsys, "export", str(plan), "--format", "accelerate", "--out", str(other))[0] == 0
+
+
 def test_out_refuses_an_input_json(capsys, tmp_path):
     cluster_file = tmp_path / "cluster.json"
     assert cli.main(["calibrate", str(LOG), "--out", str(cluster_file)]) == 0

@@ -18,13 +18,14 @@ from fsdp_planner.userfiles import EXPORT_STAMP, MAX_FILE_BYTES, WRITTEN_BY, as_
 
 
 def output_file(arg: str | None, example: str = "plan.json", code: bool = False,
-                force: bool = False, kind: str = "plan") -> Path | None:
+                force: bool = False, kind: str = "plan", hook_of: Path | None = None) -> Path | None:
     """``--out``: checked before any work, so a bad path fails in one line, not after minutes of planning. An
     existing regular file is overwritten only when it is what the command writes: a plan or cluster file (JSON
     that fsdp-planner wrote), or for ``code`` (``export``) code export wrote, or with ``force`` (``--force``). A typo
     such as ``--out model.py`` must not replace the user's code, nor ``--out data.json`` the user's JSON, nor
     ``export ... --out plan.json`` the plan, nor a plan's ``--out`` a cluster file (``kind``: what this command
-    writes, "plan" or "cluster")."""
+    writes, "plan" or "cluster"); ``hook_of``: the --out whose Python hook ``arg`` is (the accelerate export's YAML),
+    which a refusal names and renames."""
     if arg is None:
         return None
     path = _file_to_write(arg, "--out", example)
@@ -39,6 +40,10 @@ def output_file(arg: str | None, example: str = "plan.json", code: bool = False,
                                                       "neither a plan or cluster file fsdp-planner wrote nor code "
                                                       "its export wrote")
         what = f"a link to '{real}', {what}" if path.is_symlink() else what
+        if hook_of is not None:  # (the name to change is the YAML's: a .py given as --out is refused)
+            raise PlannerError(f"--out '{hook_of}' writes its Python hook beside it as '{arg}', which already exists "
+                               f"and is {what}: refusing to overwrite it (give another --out, e.g. "
+                               f"{hook_of.with_stem(hook_of.stem + '_plan')}, or add --force to replace it)")
         other = path.with_stem(path.stem + ("_plan" if code else "2"))
         other = other.with_suffix(".py") if code and other.suffix.lower() not in CONFIG_SUFFIXES else other
         raise PlannerError(f"--out '{arg}' already exists and is {what}: refusing to overwrite it (give a new name, "
@@ -294,7 +299,7 @@ def export_files(out: str, fmt: str, force: bool = False) -> Path | None:
             raise PlannerError(f"--out '{out}': the accelerate export is the YAML accelerate launch --config_file "
                                f"takes: give a .yaml file, e.g. {path.with_suffix('.yaml')} (its Python hook is "
                                f"written beside it as {path.with_suffix('.py')})")
-        return output_file(str(path.with_suffix(".py")), "plan_accelerate.py", code=True, force=force)
+        return output_file(str(path.with_suffix(".py")), "plan_accelerate.py", code=True, force=force, hook_of=path)
     if suffix != ".py":  # a config or plan file above all: never where code is written
         raise PlannerError(f"--out '{out}': the {fmt} export is Python code: give a .py file, e.g. "
                            f"{path.with_suffix('.py')}")
