@@ -402,6 +402,15 @@ def test_a_key_in_another_table_is_said_with_the_table_that_has_it(tmp_path):
         "is one" in " ".join(cfg.notes), cfg.notes
 
 
+@pytest.mark.parametrize("degree", [-2, 0])
+def test_a_shard_degree_out_of_range_says_its_minus_one_too(tmp_path, degree):
+    """torchtitan's data_parallel_shard_degree takes -1 (the rest of the GPUs), which the refusal of -2 left out."""
+    job = titan(tmp_path, f"[parallelism]\ndata_parallel_shard_degree = {degree}\n")
+    with pytest.raises(PlannerError, match=rf"data_parallel_shard_degree = {degree} is not a whole number from 1 to "
+                                           r"1,000,000,000, or -1 \(the GPUs the other degrees leave\)$"):
+        read_config(TORCHTITAN, str(job))
+
+
 def test_an_option_that_agrees_with_a_default_setting_is_taken(tmp_path):
     """The same values as the job's defaults pass, and leave auto free where the command is plan's."""
     job = titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 8\n")

@@ -254,9 +254,10 @@ def _bad(cfg: JobConfig, key: str, value: Any, expected: str) -> PlannerError:
     return PlannerError(f"{cfg.kind} config '{cfg.path}': {key} = {shown_json(value)} is not {expected}")
 
 
-def _int(cfg: JobConfig, key: str, value: Any, minimum: int = 1, maximum: int = 10**9) -> int:
+def _int(cfg: JobConfig, key: str, value: Any, minimum: int = 1, maximum: int = 10**9, other: str = "") -> int:
+    """``other``: the key's other legal values, said beside the range (torchtitan's -1 of a shard degree)."""
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise _bad(cfg, key, value, f"a whole number from {minimum} to {maximum:,}")
+        raise _bad(cfg, key, value, f"a whole number from {minimum} to {maximum:,}{other}")
     return value
 
 
@@ -554,7 +555,8 @@ def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
         cfg, "parallelism.data_parallel_replicate_degree", replicate)
     shard = par.get("data_parallel_shard_degree", -1)
     cfg.keys["parallelism.data_parallel_shard_degree"] = shard
-    cfg.shard = None if shard == -1 else _int(cfg, "parallelism.data_parallel_shard_degree", shard)
+    cfg.shard = None if shard == -1 else _int(cfg, "parallelism.data_parallel_shard_degree", shard,
+                                              other=", or -1 (the GPUs the other degrees leave)")
     if "fsdp_reshard_after_forward" in par:
         cfg.reshard = cfg.keys["parallelism.fsdp_reshard_after_forward"] = _str(
             cfg, "parallelism.fsdp_reshard_after_forward", par["fsdp_reshard_after_forward"], TITAN_RESHARD, exact=True)
