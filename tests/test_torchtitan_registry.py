@@ -170,7 +170,10 @@ def test_flags_as_torchtitan_spells_them():
         Override("activation_checkpoint", None), Override("activation_checkpoint", Call("FullAC.Config")))
     for bad, says in ((["--steps", "3"], "is not --section.key VALUE"), (["--module", "llama3"], "MODULE:FUNCTION"),
                       (["8"], "is not --section.key VALUE"),
-                      (["--activation-checkpoint:full"], "subcommand without the dashes, activation-checkpoint:full")):
+                      (["--activation-checkpoint:full"], "subcommand without the dashes, activation-checkpoint:full"),
+                      # a value's list took a misspelled subcommand as its second value (a trial)
+                      (["--a.b", "8192", "activation-checkpoint:bogus"], 'subcommand "activation-checkpoint:bogus" '
+                                                                           "is none of torchtitan's")):
         with pytest.raises(PlannerError, match=says):
             parse_flags(bad)
 

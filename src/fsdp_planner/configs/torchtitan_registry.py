@@ -115,6 +115,7 @@ AC_FIELDS = {"SelectiveAC": (*_AC_BASE, "force_recompute_mm_shapes_by_fqns"), "F
 AC_SUBCOMMANDS = {"selective": "SelectiveAC", "full": "FullAC", "memory-budget": "MemoryBudgetAC", "none": None}
 FLAG = re.compile(r"^--(?P<key>[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)+)(?:=(?P<value>.*))?$", re.S)
 SUBCOMMAND = re.compile(r"^activation[-_]checkpoint:(?P<kind>selective|full|memory[-_]budget|none)$")
+SUBCOMMAND_LIKE = re.compile(r"^-*activation[-_]checkpoint:", re.I)  # (one that is none: said, not taken as a value)
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ def parse_flags(tokens: Sequence[str]) -> tuple[Override, ...]:
             raise PlannerError(_flag_error(token))
         values = [] if m["value"] is None else [m["value"]]
         while m["value"] is None and i < len(tokens) and not tokens[i].startswith("--") \
-                and not SUBCOMMAND.match(tokens[i]):
+                and not SUBCOMMAND_LIKE.match(tokens[i]):
             values.append(tokens[i])
             i += 1
         *section, last = m["key"].replace("-", "_").split(".")
@@ -209,6 +210,9 @@ def _flag_error(token: str) -> str:
     if SUBCOMMAND.match(token.lstrip("-")):  # "--activation-checkpoint:full": torchtitan's subcommand has no dashes
         return (f"torchtitan flag {shown_json(token)}: write the activation checkpointing subcommand without the "
                 f"dashes, {token.lstrip('-')}")
+    if SUBCOMMAND_LIKE.match(token):  # (a trial's activation-checkpoint:bogus was read as a list's second value)
+        return (f"torchtitan subcommand {shown_json(token)} is none of torchtitan's: activation-checkpoint:full, "
+                "activation-checkpoint:selective, activation-checkpoint:memory-budget or activation-checkpoint:none")
     return (f"torchtitan flag {shown_json(token)} is not --section.key VALUE (e.g. "
             "--parallelism.data_parallel_shard_degree 8)")
 
