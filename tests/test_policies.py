@@ -211,6 +211,40 @@ def test_a_u_net_s_blocks_are_its_double_convs():
     assert groups_of(ModuleWrapPolicy().plan(tr)).count(["head"]) == 0
 
 
+class ConvNeXtBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.dw, self.pw = torch.nn.Conv2d(d, d, 3, padding=1, groups=d), torch.nn.Conv2d(d, d, 1)
+
+    def forward(self, x):
+        return x + self.pw(self.dw(x))
+
+
+class _ConvNeXt(torch.nn.Module):
+    """Stages of blocks in Sequentials, in a ModuleList (torchvision's ConvNeXt nests them so)."""
+
+    def __init__(self, dims: tuple[int, ...] = (8, 16)) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, dims[0], 2, 2)
+        self.stages = torch.nn.ModuleList(torch.nn.Sequential(ConvNeXtBlock(d), ConvNeXtBlock(d)) for d in dims)
+        self.downs = torch.nn.ModuleList(torch.nn.Conv2d(a, b, 2, 2) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for i, stage in enumerate(self.stages):
+            x = stage(x)
+            x = self.downs[i](x) if i < len(self.downs) else x
+        return x.mean()
+
+
+def test_a_stage_of_blocks_gives_way_to_its_blocks():
+    """A Sequential stage holds exactly its blocks' params, and the class name broke the tie ('Sequential' after
+    'ConvNeXtBlock'): a trial's ConvNeXt was wrapped by stage, two groups of two blocks."""
+    tr = record(_ConvNeXt(), (torch.randn(2, 3, 16, 16),))
+    assert default_block_class(tr) == "ConvNeXtBlock"
+    assert len(ModuleWrapPolicy().plan(tr).inner_groups) == 4
+
+
 def test_nested_sequential_stages_of_childless_blocks_plan_with_every_policy(capsys):
     """A CNN whose stages stack Sequential(Conv2d, Identity, ReLU): its block class is the Conv2d, which has no
     children; every policy (and check) raised KeyError: 'Conv2d' in the checkpointing blocks' peers."""

@@ -318,6 +318,11 @@ class TraceIndex:
         # container holding containers (stages of blocks) is no block of its own
         composite = {self._modules[k].cls for k in kids if self._modules[k].children} - set(CONTAINERS)
         kids = [k for k in kids if not any(self._modules[a].cls in composite for a in proper_ancestors(k))]
+        # a container stacking composite modules (a ConvNeXt's Sequential stages of blocks in a ModuleList) is a
+        # stage, whose blocks are candidates of their own: with the same params in both, the class name broke the
+        # tie and made each stage one group (a trial)
+        kids = [k for k in kids if not (self._modules[k].cls in CONTAINERS
+                                        and any(self._modules[c].children for c in self._modules[k].children))]
         # no class repeats: a container of layers of several kinds, one of each (a 2-layer hybrid's Mamba and
         # attention layers), still stacks blocks; an inner class (its Linears) repeats in them, not a block
         cls = self._most_params(kids) or self._most_params(self._stacked_kinds(containers), repeated=False)
