@@ -154,6 +154,34 @@ def test_explain_names_a_reason_and_an_alternative_per_group():
             assert r.alternative_step >= result.report.step_time * (1 - 1e-9)
 
 
+class _TorchBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.attn = torch.nn.MultiheadAttention(d, 4, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+def test_an_attention_s_out_proj_moves_with_it_and_leaves_its_boundaries_free():
+    """nn.MultiheadAttention reads its out_proj's weight itself: that atom was pinned to the root, which held every
+    boundary beside an attention fixed (a ViT's --explain: every group 'fixed'; auto refined none of them). It is
+    one atom with its attention, free; every group's boundary has an alternative."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[_TorchBlock(1024) for _ in range(24)])  # ViT-L's widths
+    tr = record(model, (torch.randn(16, 256, 1024, device="meta"),), lambda out: out.float().sum())
+    atoms = plan_atoms(tr, whole_blocks=False)
+    assert [(a.modules, a.pin) for a in atoms if any("attn" in m for m in a.modules)] == \
+        [([f"{i}.attn", f"{i}.attn.out_proj"], Pin.FREE) for i in range(24)]
+    result = AutoPolicy(parse_cluster("h100:64")).search(tr)
+    rows = explain(result)
+    assert len(rows) > 1 and all(r.reason is not Reason.FIXED for r in rows[:-1]), rows
+
+
 def test_param_free_prologue_plans_and_keeps_the_last_group_unsharded():
     """Atoms are positioned on the compacted trace the search simulates (a long param-free prologue once made
     the DP index past its end)."""

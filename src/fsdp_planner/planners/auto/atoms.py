@@ -9,6 +9,7 @@ from enum import Enum
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.planners.order import atoms_in_execution_order
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import is_within
 
 
 class Pin(Enum):
@@ -35,9 +36,42 @@ def plan_atoms(trace: Trace, whole_blocks: bool) -> list[Atom]:
         params = list(dict.fromkeys(index[p] for m in mods for p in trace.modules[m].params))
         start = min((first[p] for p in params if p in first and not trace.events[first[p]].backward), default=never)
         atoms.append(Atom(list(mods), nbytes, start, params=params))
+    atoms = _folded_into_readers(trace, atoms)
     atoms.sort(key=lambda a: a.start)
     pin_atoms(trace, atoms)
     return atoms
+
+
+def _readers(trace: Trace) -> dict[int, set[str]]:
+    """Param -> the modules whose forward reads it outside the modules that own it (``read_outside``)."""
+    outside = trace.index.read_outside
+    out: dict[int, set[str]] = {}
+    for _, module, params in trace.index.forward_param_ops:
+        for p in params:
+            if p in outside:
+                out.setdefault(p, set()).add(module)
+    return out
+
+
+def _folded_into_readers(trace: Trace, atoms: list[Atom]) -> list[Atom]:
+    """An atom whose params only its ancestor's forward reads (``nn.MultiheadAttention``'s out_proj, whose weight
+    the attention reads itself; it is never called) joins that ancestor's atom: in one group FSDP2 unshards it
+    around each read, and a group of its own would never be unsharded. Pinned to the root instead, it held every
+    boundary next to an attention fixed (auto's refinement moved none of a ViT's, and --explain said 'fixed')."""
+    readers = _readers(trace)
+    host_of = {m: ai for ai, a in enumerate(atoms) for m in a.modules}
+    folded: dict[int, int] = {}
+    for ai, a in enumerate(atoms):
+        reading = {m for p in a.params for m in readers.get(p, ())}
+        host = next(iter(reading)) if len(reading) == 1 and all(p in readers for p in a.params) else None
+        if host in host_of and host_of[host] != ai and all(is_within(m, host) for m in a.modules):
+            folded[ai] = host_of[host]
+    for ai, hi in folded.items():
+        while hi in folded:  # (an ancestor's atom folded in turn)
+            hi = folded[hi]
+        h, a = atoms[hi], atoms[ai]
+        atoms[hi] = Atom(h.modules + a.modules, h.nbytes + a.nbytes, min(h.start, a.start), params=h.params + a.params)
+    return [a for ai, a in enumerate(atoms) if ai not in folded]
 
 
 def pin_atoms(trace: Trace, atoms: list[Atom]) -> None:
@@ -52,7 +86,9 @@ def pin_atoms(trace: Trace, atoms: list[Atom]) -> None:
     atom_of = {p: ai for ai, a in enumerate(atoms) for p in a.params}
     first, last = [-1] * len(atoms), [-1] * len(atoms)
     only_mine = [0] * len(atoms)  # forward param-reading ops that read this atom alone
-    outside = {atom_of[p] for p in trace.index.read_outside if p in atom_of}
+    # (a read inside a module of the param's own atom is inside its group: ``_folded_into_readers``)
+    outside = {atom_of[p] for p, modules in _readers(trace).items() if p in atom_of
+               and not all(any(is_within(r, m) for m in atoms[atom_of[p]].modules) for r in modules)}
     for k, (_, _, params) in enumerate(trace.index.forward_param_ops):  # k: among forward ops reading params
         read = {atom_of[p] for p in params if p in atom_of}  # params on the root module are in no atom
         for ai in read:
