@@ -99,6 +99,11 @@ def test_module_classes_option():
     [
         (("plan", "no-such-model"), "unknown model 'no-such-model'"),
         (("plan", f"{FIXTURES / 'factories.py'}:broken"), "raised RuntimeError: factory exploded"),
+        # raised in torch: the user's line beside it, and what to change (a trial was told neither)
+        (("plan", f"{FIXTURES / 'factories.py'}:reads_meta_values"), "in __torch_function__, from factories.py:"),
+        (("plan", f"{FIXTURES / 'factories.py'}:reads_meta_values"), "in __init__); fsdp-planner builds the model "
+         "under torch.device('meta'), where a tensor holds no values: make a tensor the constructor reads values "
+         "from (.tolist(), .item()) with device='cpu'"),
         (("plan", f"{FIXTURES / 'factories.py'}:not_a_model"), "must return (model, example_inputs)"),
         (("plan", f"{FIXTURES / 'factories.py'}:missing"), "has no callable 'missing'"),
         (("plan", "nowhere/model.py:fn"), "does not exist"),

@@ -38,4 +38,16 @@ def raised_at(e: BaseException) -> str:
     if not frames:
         return ""
     f = frames[-1]
-    return f" (at {Path(f.filename).name}:{f.lineno} in {f.name})"
+    at = f" (at {Path(f.filename).name}:{f.lineno} in {f.name}"
+    # raised in an installed library (torch's): the user's own line that called it too, the one to change
+    mine = next((g for g in reversed(frames) if not _library(g.filename)), None) if _library(f.filename) else None
+    return at + (f", from {Path(mine.filename).name}:{mine.lineno} in {mine.name})" if mine is not None else ")")
+
+
+_LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python3[\d.]*[/\\]")
+
+
+def _library(filename: str) -> bool:
+    """Whether ``filename`` is an installed package's or the standard library's, not the user's (nor this
+    package's from a source checkout, which is never the user's line either)."""
+    return bool(_LIBRARY.search(filename)) or "fsdp_planner" in Path(filename).parts

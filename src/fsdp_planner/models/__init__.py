@@ -21,6 +21,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -488,6 +489,19 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
     return fn
 
 
+# what torch says when a value is read from a meta tensor (``.tolist()``, ``.item()``, ``float(t)``)
+META_VALUE_READ = re.compile(r"meta tensor|on meta tensors|meta device", re.I)
+
+
+def _meta_hint(e: Exception) -> str:
+    """Where building read a value from a tensor made on the meta device (planning builds the model there): how to
+    make that tensor (a trial's ``torch.linspace(...).tolist()`` of drop-path rates)."""
+    if not META_VALUE_READ.search(str(e)):
+        return ""
+    return ("; fsdp-planner builds the model under torch.device('meta'), where a tensor holds no values: make a "
+            "tensor the constructor reads values from (.tolist(), .item()) with device='cpu'")
+
+
 def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) -> LoadedModel:
     """Build the model a spec names, for the workload it sets; on the meta device when ``meta`` (planning only)."""
     model_spec = as_spec(model_spec)
@@ -509,7 +523,8 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
     except SystemExit as e:  # sys.exit or argparse in a factory is an error too, never a silent exit
         raise PlannerError(exit_message(e, f"building the model '{spec}'")) from e
     except Exception as e:  # user code: report, never a traceback
-        raise PlannerError(f"model factory '{spec}' raised {type(e).__name__}: {e}{raised_at(e)}") from e
+        raise PlannerError(f"model factory '{spec}' raised {type(e).__name__}: {e}{raised_at(e)}"
+                           f"{_meta_hint(e) if meta else ''}") from e
     if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], nn.Module):
         raise PlannerError(
             f"model factory '{spec}' must return (model, example_inputs) or (model, example_inputs, loss_fn)"
