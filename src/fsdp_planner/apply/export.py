@@ -1143,18 +1143,10 @@ def with_chunked_loss(header: str, constants: str, tails: str, loss_head: str | 
     return header, constants, tails + "".join("\n\n" + inspect.getsource(f) for f in CHUNKED_LOSS_FUNCTIONS)
 
 
-def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION],
-                where: str | os.PathLike[str] | None = None, loss_head: str | None = None) -> str:
-    """The source of a module that applies ``plan`` in the ``fmt`` framework's way, in ``precision`` (what the
-    plan's numbers were simulated with: a plan file does not record it); ``where``: the directory it is written to
-    (None: this one), which a model file is named relative to; ``loss_head``: a plan with its loss in chunks, the
-    model's output layer (the step that runs the chunks is written in too)."""
-    plan = plan.replace(model=portable_model(plan.model, where))
-    header = HEADER.format(title=TITLES[fmt], groups=f"{fmt_count(len(plan.inner_groups), 'group')} and the root")
-    # a plan made with --reduce-dtype records it: the reduce dtype is part of the precision the plan runs in
-    precision = with_reduce_dtype(precision, ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None)
-    constants, body, tails = plan_constants(plan, precision) + "\n", APPLY_BODY, order_functions()
-    # plans without op-level checkpointing or activation offloading export as before
+def _with_step_options(plan: Plan, constants: str, body: str, tails: str) -> tuple[str, str, str]:
+    """The export's constants, ``apply`` body and functions with what the plan's step needs beyond its groups:
+    op-level checkpointing, activation offloading, kernels, fp32 groups, compiled modules (plans without them export
+    as before)."""
     if plan.selective_checkpointing:
         constants += selective_constants(plan) + "\n"
         body = body.replace(CHECKPOINT_LINE, CHECKPOINT_LINE + SELECTIVE_LOOP)
@@ -1176,6 +1168,21 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
     if plan.compiled:
         assert COMPILE_LINE in body
         body = body.replace(COMPILE_LINE, RECOMPILE_ROOM + COMPILE_LINE)
+    return constants, body, tails
+
+
+def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION],
+                where: str | os.PathLike[str] | None = None, loss_head: str | None = None) -> str:
+    """The source of a module that applies ``plan`` in the ``fmt`` framework's way, in ``precision`` (what the
+    plan's numbers were simulated with: a plan file does not record it); ``where``: the directory it is written to
+    (None: this one), which a model file is named relative to; ``loss_head``: a plan with its loss in chunks, the
+    model's output layer (the step that runs the chunks is written in too)."""
+    plan = plan.replace(model=portable_model(plan.model, where))
+    header = HEADER.format(title=TITLES[fmt], groups=f"{fmt_count(len(plan.inner_groups), 'group')} and the root")
+    # a plan made with --reduce-dtype records it: the reduce dtype is part of the precision the plan runs in
+    precision = with_reduce_dtype(precision, ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None)
+    constants, body, tails = _with_step_options(plan, plan_constants(plan, precision) + "\n", APPLY_BODY,
+                                                order_functions())
     tail = TAILS[fmt]
     if plan.tensor_parallel is not None:
         header, constants, body = with_tensor_parallel(header, constants, body, plan.tensor_parallel, plan.float8)
