@@ -182,6 +182,24 @@ def test_an_attention_s_out_proj_moves_with_it_and_leaves_its_boundaries_free():
     assert len(rows) > 1 and all(r.reason is not Reason.FIXED for r in rows[:-1]), rows
 
 
+class _TwiceAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.fc = torch.nn.MultiheadAttention(16, 2, batch_first=True), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attn(x, x, x, need_weights=False)[0]
+        return self.fc(self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_an_attention_called_twice_is_a_group_of_its_own_with_its_out_proj():
+    """Called twice, one module is a group of its own (pytorch#183702); folded with its out_proj it is still one
+    module, not a list to leave on the root (a review: its in_proj stayed unsharded)."""
+    tr = record(_TwiceAttention(), (torch.randn(2, 4, 16),), lambda out: out.float().sum())
+    assert [(a.modules, a.pin) for a in plan_atoms(tr, whole_blocks=False) if "attn" in a.modules] == \
+        [(["attn", "attn.out_proj"], Pin.ALONE)]
+
+
 def test_param_free_prologue_plans_and_keeps_the_last_group_unsharded():
     """Atoms are positioned on the compacted trace the search simulates (a long param-free prologue once made
     the DP index past its end)."""

@@ -469,3 +469,15 @@ def test_blocks_of_one_class_and_other_widths_compile_past_dynamo_s_recompile_li
             torch._dynamo.reset()
     finally:
         dist.destroy_process_group()
+
+
+def test_room_for_recompiles_counts_a_forward_that_is_no_function() -> None:
+    """A hook's callable object or a partial as forward (accelerate's add_hook_to_module installs one) has no code
+    object: counted as its own, not an AttributeError (a review)."""
+    from fsdp_planner.apply.compile import make_room_for_recompiles
+
+    block = _Widening.Block(4)
+    block.forward = functools.partial(_Widening.Block.forward, block)  # type: ignore[method-assign]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        make_room_for_recompiles([block, _Widening.Block(4)])
+        assert torch._dynamo.config.recompile_limit == 2

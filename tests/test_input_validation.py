@@ -612,3 +612,9 @@ def test_calibrate_refuses_a_base_preset_of_another_gpu_than_the_logs(capsys, tm
     own["gpu"]["name"] = "my-h100"
     (tmp_path / "own.json").write_text(json.dumps(own))
     assert main(["calibrate", str(log), "--base", str(tmp_path / "own.json"), "--out", str(tmp_path / "d.json")]) == 0
+    # a variant of the logs' GPU (h100e of an H100's) is the user's word, and so is any base of mixed GPUs' logs,
+    # which only a base can calibrate (a review: both refused, the second after being told to give one)
+    assert main(["calibrate", str(log), "--base", "h100e:8", "--out", str(tmp_path / "e.json")]) == 0
+    h200 = tmp_path / "h200.log"
+    h200.write_text(log.read_text().replace("NVIDIA H100 80GB HBM3", "NVIDIA H200"))
+    assert main(["calibrate", str(log), str(h200), "--base", "h100:8", "--out", str(tmp_path / "f.json")]) == 0

@@ -245,6 +245,45 @@ def test_a_stage_of_blocks_gives_way_to_its_blocks():
     assert len(ModuleWrapPolicy().plan(tr).inner_groups) == 4
 
 
+class _Attention(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return x + self.o(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+class _FeedForward(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_a_block_built_as_a_sequential_of_other_layers_stays_one_block():
+    """Sequential(Attention, FeedForward) in a ModuleList is a block, not a stage: its layers are of two classes (a
+    review of the stage rule above split each block in two)."""
+    layers = torch.nn.ModuleList(torch.nn.Sequential(_Attention(16), _FeedForward(16)) for _ in range(3))
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    tr = record(Net(), (torch.randn(2, 8, 16),))
+    assert default_block_class(tr) == "Sequential"
+    assert groups_of(ModuleWrapPolicy().plan(tr))[:3] == [["layers.0"], ["layers.1"], ["layers.2"]]
+
+
 def test_nested_sequential_stages_of_childless_blocks_plan_with_every_policy(capsys):
     """A CNN whose stages stack Sequential(Conv2d, Identity, ReLU): its block class is the Conv2d, which has no
     children; every policy (and check) raised KeyError: 'Conv2d' in the checkpointing blocks' peers."""

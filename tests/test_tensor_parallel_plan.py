@@ -546,6 +546,12 @@ class TorchAttention(nn.Module):
         return self.pair(self.attn(x, x, x, need_weights=False)[0])
 
 
+class TorchAttentionAndSpare(TorchAttention):
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = Pair(8, 16)
+
+
 def test_a_style_on_a_module_whose_forward_the_step_never_calls_is_refused():
     """nn.MultiheadAttention reads its out_proj's weight itself and never calls out_proj: a style on it passed check
     and simulate (its TP costing nothing) and failed the ranks with 'mixed torch.Tensor and DTensor' (a trial)."""
@@ -558,6 +564,10 @@ def test_a_style_on_a_module_whose_forward_the_step_never_calls_is_refused():
         with pytest.raises(PlannerError, match=rf"^the tensor-parallel style {style.value} of attn.out_proj: the "
                                                "step never calls its forward"):
             check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "attn.out_proj": style}), None))
+    # a module the step never uses at all: its sharded params meet nothing (a review: refused as read elsewhere)
+    tr = traced(TorchAttentionAndSpare(), 8)
+    check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "spare.up": TPStyle.COLWISE,
+                                                         "spare.down": TPStyle.ROWWISE}), None))
 
 
 def test_a_rowwise_linear_is_fed_by_a_colwise_one():

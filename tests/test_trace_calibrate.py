@@ -68,6 +68,8 @@ def test_gzip_trace_reads_the_same(tmp_path: Path) -> None:
     # (it said it had none; then, of a step whose args were a list, that its time was not one a profiler writes)
     ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 1, "dur": 5, "args": [1]}]}',
      "the first: its 'args' is not an object"),
+    ('{"traceEvents": [{"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "ts": 1, "dur": 5}]}',
+     "has ProfilerStep# ranges on the GPU only"),  # (it said "the first: None")
     ("\x80\x04\x95pickle", "not text"),
 ])
 def test_bad_traces_are_one_line(tmp_path: Path, text: str, words: str) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sysconfig
 import traceback
 from pathlib import Path
 
@@ -44,10 +46,17 @@ def raised_at(e: BaseException) -> str:
     return at + (f", from {Path(mine.filename).name}:{mine.lineno} in {mine.name})" if mine is not None else ")")
 
 
-_LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python3[\d.]*[/\\]")
+_LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]")
+# this Python's standard library and install folders (Fedora's lib64, Windows' Lib, PyPy's lib-python)
+_LIBRARY_DIRS = tuple(sorted({os.path.normcase(os.path.realpath(p)) for k in ("stdlib", "platstdlib", "purelib",
+                                                                              "platlib")
+                              if (p := sysconfig.get_paths().get(k))}))
 
 
 def _library(filename: str) -> bool:
-    """Whether ``filename`` is an installed package's or the standard library's, not the user's (nor this
-    package's from a source checkout, which is never the user's line either)."""
-    return bool(_LIBRARY.search(filename)) or "fsdp_planner" in Path(filename).parts
+    """Whether ``filename`` is an installed package's, the standard library's or generated code's (``<string>``,
+    ``<frozen ...>``), not the user's (nor this package's from a source checkout, never the user's line either)."""
+    if filename.startswith("<") or _LIBRARY.search(filename) or "fsdp_planner" in Path(filename).parts:
+        return True
+    real = os.path.normcase(os.path.realpath(filename))
+    return any(real.startswith(d + os.sep) for d in _LIBRARY_DIRS)

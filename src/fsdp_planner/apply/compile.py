@@ -48,7 +48,8 @@ def make_room_for_recompiles(modules: Sequence[nn.Module]) -> None:
     widths) share their forward's code but each needs a graph of its own (params' shapes are static:
     ``force_parameter_static_shapes``): a trial's 10 ResBlocks failed with FailOnRecompileLimitHit. The limits are
     raised (never lowered) to ``GRAPHS_PER_MODULE`` graphs for every compiled module sharing a forward."""
-    forwards = Counter(getattr(m.forward, "__func__", m.forward).__code__ for m in modules)
+    # (a forward that is no function, a partial or a hook's callable object, is counted as its own)
+    forwards = Counter(getattr(getattr(m.forward, "__func__", m.forward), "__code__", id(m)) for m in modules)
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, GRAPHS_PER_MODULE * max(forwards.values(), default=0))
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, GRAPHS_PER_MODULE * len(modules))

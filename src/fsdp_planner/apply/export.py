@@ -174,7 +174,6 @@ Each entry of GROUPS is one ``fully_shard`` call: (module names, reshard_after_f
 
 from __future__ import annotations
 
-import collections
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -612,10 +611,10 @@ COMPILE_LINE = ("    for name in COMPILED:  # then torch.compile, each module on
 RECOMPILE_ROOM = (
     "    # blocks of one class with params of other shapes each need a graph of their own in dynamo's cache of their\n"
     "    # shared forward: room for two each (a new batch size recompiles once), or fullgraph=True fails at the limit\n"
-    "    forwards = collections.Counter(getattr(modules[n].forward, \"__func__\", modules[n].forward).__code__\n"
-    "                                   for n in COMPILED)\n"
+    "    codes = [getattr(getattr(modules[n].forward, \"__func__\", modules[n].forward), \"__code__\", n)\n"
+    "             for n in COMPILED]\n"
     "    dynamo = torch._dynamo.config\n"
-    "    dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * max(forwards.values()))\n"
+    "    dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * max(codes.count(c) for c in codes))\n"
     "    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 2 * len(COMPILED))\n"
 )
 TP_SPLIT = """    mesh, tp_mesh = split_mesh(mesh)  # TP: parallelize_module over tp first, then FSDP over the dp dims

@@ -299,11 +299,16 @@ def _step_marks(raw_events: list, events: list[_Event], label: str) -> list[_Eve
     marks = sorted((e for e in events if e.name.startswith("ProfilerStep#") and e.cat not in GPU_RANGES),
                    key=lambda e: e.ts)
     if not marks:
-        step = next((e for e in raw_events if isinstance(e, dict) and str(e.get("name", "")).startswith(
-            "ProfilerStep#")), None)
+        steps = [e for e in raw_events if isinstance(e, dict) and str(e.get("name", "")).startswith("ProfilerStep#")]
+        # (the host's ranges are the steps: a GPU's copies of them, gpu_user_annotation, are not)
+        step = next((e for e in steps if e.get("cat") not in GPU_RANGES), None)
         if step is not None:
             why = "its 'ph' is not 'X' (a complete event)" if step.get("ph") != "X" else _damage(step)
             raise PlannerError(f"{label} has ProfilerStep# ranges but none a profiler writes (the first: {why}): "
+                               "an edited or damaged trace")
+        if steps:
+            raise PlannerError(f"{label} has ProfilerStep# ranges on the GPU only (category "
+                               f"{shown_json(steps[0].get('cat'))}), not the host's a profiler writes beside them: "
                                "an edited or damaged trace")
         raise PlannerError(f"{label} has no ProfilerStep# ranges: not a torch.profiler trace of training steps "
                            "(profile with a schedule and call prof.step() once a step)")

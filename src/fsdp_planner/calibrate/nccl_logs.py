@@ -553,11 +553,14 @@ def _check_base_gpu(tables: Sequence[NcclTable], base: Cluster) -> None:
     the fits of another machine's (a trial's H100 logs fitted onto the A100 preset's NVLink, 346 GB/s on 235). A base
     whose GPU is none of the presets' (the user's own cluster JSON) is the user's word for the machine."""
     presets = {g.name: k for k, g in GPUS.items()}
-    if base.gpu.name not in presets:
+    names = sorted({g for t in tables for g in (t.gpu_names or ((t.gpu_name,) if t.gpu_name else ()))})
+    if base.gpu.name not in presets or len(names) > 1:  # (logs of mixed GPUs need a base: the user's word)
         return
-    for name in sorted({g for t in tables for g in (t.gpu_names or ((t.gpu_name,) if t.gpu_name else ()))}):
+    for name in names:
         key = _preset_for(name)
-        if key is not None and GPUS[key].name != base.gpu.name:
+        # (a variant of the logs' kind, h100e of an H100's, is the user's word for its memory and clocks: its
+        # NVLink and network are the kind's)
+        if key is not None and not presets[base.gpu.name].startswith(key):
             raise PlannerError(f"the logs ran on {shown_json(name)} (the {key} preset's {GPUS[key].name}) but the "
                                f"base cluster {shown_json(base.name)} has {base.gpu.name} GPUs: give a base of the "
                                f"logs' GPU ({key}:N or a cluster JSON of it), or leave --base out to take it from the "

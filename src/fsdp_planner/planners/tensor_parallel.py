@@ -676,7 +676,8 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
                                "(the head dim its attention runs at): choose a degree that divides them")
     _check_per_head_params(trace, tp, layout.heads, head_dim, linears, asked)
     for module, style in tp.styles(trace.modules).items():
-        if not trace.forward_calls(module):
+        if not trace.forward_calls(module) and _params_read(trace, module):  # (a module the step never uses
+            # at all: its sharded params meet nothing)
             raise PlannerError(f"the tensor-parallel style {style.value} of {module}: the step never calls its "
                                "forward (its params are read by another module's forward, as nn.MultiheadAttention "
                                "reads its out_proj's), so the style's hooks would never run and its sharded params "
@@ -849,6 +850,12 @@ def _check_packed_layout(trace: Trace, module: str, style: TPStyle) -> None:
         raise PlannerError(f"the tensor-parallel style {style.value} of {module} shards packed experts stored "
                            f"{layout[style]}, and {module} holds gate_up_proj {list(shapes.get('gate_up_proj', ()))}"
                            f" and down_proj {list(shapes.get('down_proj', ()))}{theirs}")
+
+
+def _params_read(trace: Trace, module: str) -> bool:
+    """Whether a forward op reads a param registered on ``module``."""
+    first, index = trace.index.first_use, trace.index.param_index
+    return any(index[p] in first for p in trace.modules[module].params)
 
 
 def _check_module(trace: Trace, module: str, style: TPStyle, degree: int, asked: str) -> None:

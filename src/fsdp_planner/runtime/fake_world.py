@@ -749,12 +749,17 @@ class _HeldRecords(logging.Filter):
 @contextlib.contextmanager
 def _held_redistribute_warnings() -> Iterator[_HeldRecords]:
     """DTensor's sequential-reduction warnings held back and counted: the caller says it once, beside the float8
-    all-reduce counts that are those reductions (one a mesh dim, as the model counts them), not once a rank."""
+    all-reduce counts that are those reductions (one a mesh dim, as the model counts them), not once a rank.
+    DTensor warns once a process per (mesh, dims, reason), and its meshes compare equal across worlds: its record
+    of what it warned of is emptied for this world (and put back after), so each run counts its own."""
+    import torch.distributed.tensor._redistribute as redistribute
+
     held = _HeldRecords(SEQUENTIAL_REDUCTIONS)
     logger = logging.getLogger(REDISTRIBUTE_LOGGER)
     logger.addFilter(held)
     try:
-        yield held
+        with patched(redistribute, "_warned_flatten_issues", set()):
+            yield held
     finally:
         logger.removeFilter(held)
 

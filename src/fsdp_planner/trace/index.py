@@ -318,11 +318,11 @@ class TraceIndex:
         # container holding containers (stages of blocks) is no block of its own
         composite = {self._modules[k].cls for k in kids if self._modules[k].children} - set(CONTAINERS)
         kids = [k for k in kids if not any(self._modules[a].cls in composite for a in proper_ancestors(k))]
-        # a container stacking composite modules (a ConvNeXt's Sequential stages of blocks in a ModuleList) is a
-        # stage, whose blocks are candidates of their own: with the same params in both, the class name broke the
-        # tie and made each stage one group (a trial)
-        kids = [k for k in kids if not (self._modules[k].cls in CONTAINERS
-                                        and any(self._modules[c].children for c in self._modules[k].children))]
+        # a container stacking composite modules of one class (a ConvNeXt's Sequential stages of blocks in a
+        # ModuleList) is a stage, whose blocks are candidates of their own: with the same params in both, the class
+        # name broke the tie and made each stage one group (a trial); a container of composite layers of several
+        # classes (Sequential(Attention, FeedForward)) is a block
+        kids = [k for k in kids if not self._stage(k)]
         # no class repeats: a container of layers of several kinds, one of each (a 2-layer hybrid's Mamba and
         # attention layers), still stacks blocks; an inner class (its Linears) repeats in them, not a block
         cls = self._most_params(kids) or self._most_params(self._stacked_kinds(containers), repeated=False)
@@ -390,6 +390,13 @@ class TraceIndex:
         mine = [m for m, info in self._modules.items() if info.cls == cls]
         theirs = [m for m, info in self._modules.items() if info.cls in classes]
         return any(is_within(a, b) or is_within(b, a) for a in mine for b in theirs)
+
+    def _stage(self, fqn: str) -> bool:
+        """Whether ``fqn`` is a container whose children are two or more composite modules of one class."""
+        if self._modules[fqn].cls not in CONTAINERS:
+            return False
+        kids = [self._modules[c] for c in self._modules[fqn].children]
+        return len(kids) >= 2 and all(k.children for k in kids) and len({k.cls for k in kids}) == 1
 
     def _stacked_class(self, cls: str) -> str | None:
         """The block class that every instance of ``cls`` stacks in a container child of its own (Swin's

@@ -100,8 +100,9 @@ def pin_atoms(trace: Trace, atoms: list[Atom]) -> None:
     for ai, a in enumerate(atoms):
         if ai in outside:
             a.pin = Pin.ROOT
-        elif any(trace.modules[m].calls > 1 for m in a.modules):
-            a.pin = Pin.ROOT if len(a.modules) > 1 else Pin.ALONE
+        elif any(trace.modules[m].calls > 1 for m in a.modules):  # (a folded child is its host's: one module)
+            a.pin = Pin.ROOT if sum(not any(is_within(m, o) for o in a.modules if o != m) for m in a.modules) > 1 \
+                else Pin.ALONE
         elif first[ai] < 0 or only_mine[ai] != last[ai] - first[ai] + 1:
             a.pin = Pin.ALONE
 
