@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from pathlib import Path
 
 import pytest
@@ -227,7 +228,7 @@ class _ConvNeXt(torch.nn.Module):
         super().__init__()
         self.stem = torch.nn.Conv2d(3, dims[0], 2, 2)
         self.stages = torch.nn.ModuleList(torch.nn.Sequential(ConvNeXtBlock(d), ConvNeXtBlock(d)) for d in dims)
-        self.downs = torch.nn.ModuleList(torch.nn.Conv2d(a, b, 2, 2) for a, b in zip(dims, dims[1:]))
+        self.downs = torch.nn.ModuleList(torch.nn.Conv2d(a, b, 2, 2) for a, b in itertools.pairwise(dims))
 
     def forward(self, x):
         x = self.stem(x)
