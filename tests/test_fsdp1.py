@@ -103,3 +103,17 @@ def test_verify_fsdp1_on_a_lora_model(tmp_path: Path) -> None:
     result = json.loads(out.stdout)
     assert result["ok"], out.stdout + out.stderr
     assert result["counted"][0] == result["predicted"]
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (("--float8", "tensorwise"), "float8 (--float8)"),
+    (("--ac", "full"), "activation checkpointing (--ac)"),
+    (("--offload",), "CPU offload (--offload)"),
+    (("--reduce-dtype", "bf16"), "a reduce dtype (--reduce-dtype)"),
+])
+def test_verify_fsdp1_refuses_what_its_ranks_would_not_run(flags: tuple[str, ...], said: str) -> None:
+    """FSDP1's ranks wrap the units and train: with --float8 they trained bf16, with --ac or --offload without
+    them, and passed (a trial: the float8 job's losses were plain FSDP1's). Refused before torchrun starts."""
+    r = run_main("verify", "toy-llama", "--policy", "module", "--nproc", "2", "--fsdp1", *flags)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stdout + r.stderr
+    assert f"this plan also asks for {said}: verify it with FSDP2 (drop --fsdp1)" in r.stderr
