@@ -194,6 +194,21 @@ def test_cpu_trace_shape() -> None:
     assert step.exposed_comm == pytest.approx(205e-6)
 
 
+def test_a_gloo_list_collective_says_what_to_calibrate_from() -> None:
+    """gloo's list collectives (FSDP2's HSDP all-reduce, TP's coalesced ones) carry no dtype: the trace was called
+    one 'no profiler writes' (a trial's own verify --mesh 2x1 --profile trace)."""
+    data = {"distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "tid": 1, "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "user_annotation", "name": "FSDP::post_backward_reduce", "tid": 1, "ts": 300, "dur": 300},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "tid": 1, "ts": 340, "dur": 10,
+         "args": {"Input Dims": [[[16448]], [], [], [], [], []], "Input type": ["TensorList", "", "", "", "Scalar",
+                                                                                "Scalar"]}},
+        {"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "tid": 2, "ts": 345, "dur": 200}]}
+    with pytest.raises(PlannerError, match=r"^t: collective c10d::allreduce_ takes a list of tensors .* calibrate from "
+                                           r"a trace of the job's plan without HSDP or TP"):
+        parse_trace(json.dumps(data).encode(), "t")
+
+
 def _gloo_step(calls: dict[int, list[float]]) -> Step:
     """A CPU step whose all-gathers of each size took these seconds."""
     collectives = tuple(Collective(CollectiveKind.ALL_GATHER, n, 2, t) for n, ts in calls.items() for t in ts)

@@ -605,6 +605,11 @@ def _gloo_bytes(call: _Event, kind: CollectiveKind, world: int, label: str) -> i
     dims, types = call.args.get("Input Dims"), call.args.get("Input type")
     if not isinstance(dims, list) or not isinstance(types, list) or not dims or not types:
         raise PlannerError(f"{label}: collective {call.name} has no Input Dims (profile with record_shapes=True)")
+    if str(types[0]) == "TensorList":  # (gloo's list and coalesced collectives: no dtype in the trace)
+        raise PlannerError(f"{label}: collective {call.name} takes a list of tensors (FSDP2's HSDP all-reduce and "
+                           "TP's coalesced collectives on gloo), whose dtype torch's profiler does not write: "
+                           "calibrate from a trace of the job's plan without HSDP or TP (its all-gathers and "
+                           "reduce-scatters carry theirs), then predict this plan with the cluster it writes")
     sizes = [math.prod(d) for d in dims[:2] if isinstance(d, list) and all(_count(x) for x in d)]
     itemsize = ITEMSIZE.get(str(types[0]).lower())
     if not sizes or itemsize is None:
