@@ -345,3 +345,22 @@ def test_hsdp_keeps_each_all_reduced_output_to_the_end_of_backward(micro_batches
     assert predicted.all_reduces == measured.counts["all_reduce"] > 0
     assert predicted.reduce_scatters == measured.counts["reduce_scatter"]
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.02)
+
+
+@pytest.mark.integration  # auto's TP screen and splits on llama3-8b: ~15 s
+def test_a_plan_file_of_auto_s_tp_and_split_says_the_batch_its_file_records(tmp_path, capsys):
+    """Auto taking TP 2 runs each data-parallel rank's share of the batch on two GPUs, twice the sequences: the line
+    said --batch 4 for a plan whose file records batch 8 (4 micro-batches of 2), which simulate then judged at 920 ms
+    against the plan's 1.74 s (a trial). It says the file's batch, and simulate with it agrees."""
+    out = tmp_path / "plan.json"
+    job = ["llama3-8b", "--cluster", "h100:8", "--seq", "4096"]
+    assert main(["plan", *job, "--policy", "auto", "--batch", "4", "--search-effort", "0", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    written = printed.splitlines()[-1]
+    recorded = json.loads(out.read_text())["workload"]
+    assert recorded["micro_batches"] > 1 and " x TP 2" in printed, printed
+    assert written == f"plan written to {out} (simulated as: give simulate and verify --batch {recorded['batch']} " \
+                      f"--micro-batches {recorded['micro_batches']})", written
+    flags = written.split("verify ")[1].rstrip(")").split()
+    assert main(["simulate", *job, "--plan", str(out), *flags]) == 0
+    assert "the plan was made for" not in capsys.readouterr().err  # (with --batch 4 it was: the step of another job)

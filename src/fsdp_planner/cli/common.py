@@ -75,15 +75,19 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, world: int | None = 
     return plan_files.load_plan(path, tr, model, render.note, world, micro_batches, optimizer, text)
 
 
-def run_flags(job: PlanJob, split: bool, workload: bool = False) -> str:
+def run_flags(job: PlanJob, split: bool, workload: bool = False, written: Plan | None = None) -> str:
     """What ``simulate`` and ``verify`` of the written plan must be given for the step it was planned for: the
     plan file records the workload and the optimizer and the two commands run their options' (`` (simulated as
     ...)``; empty when nothing is needed). ``split``: auto chose the micro-batches; ``workload``: the batch and
-    sequence came from a job config, not the command line (the model is named too: the user never typed it)."""
+    sequence came from a job config, not the command line (the model is named too: the user never typed it);
+    ``written``: the plan file, whose recorded workload is what the two commands check the flags against (with TP,
+    each data-parallel rank's batch: a trial was told --batch 4 for a plan of batch 8, TP 2)."""
     opts, model = job.options, job.model
     n, flags = opts.micro_batches, [shlex.quote(model.name)] if workload else []
     if n > 1 and (split or workload):
-        flags += ["--batch", str(n * (model.batch_size or 1)), "--micro-batches", str(n)]
+        recorded = written.workload if written is not None else None
+        batch = recorded.batch if recorded is not None and recorded.micro_batches == n else n * (model.batch_size or 1)
+        flags += ["--batch", str(batch), "--micro-batches", str(n)]
         if opts.gradient_sync is not GradientSync.LAST:
             flags += ["--gradient-sync", opts.gradient_sync.value]
     elif workload and model.batch_size is not None:

@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         render.plain(verdict)
     _print(outcome)
     if request.out is not None:
-        render.plain(f"plan written to {request.out}{run_flags(outcome.job, bool(outcome.splits))}")
+        flags = run_flags(outcome.job, bool(outcome.splits), written=outcome.plan)
+        render.plain(f"plan written to {request.out}{flags}")
     if no_fit:
         render.plain(f"auto: {no_fit}")  # it names the budget's source: a cluster file's GPU
         return 1
