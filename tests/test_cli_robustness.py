@@ -420,6 +420,10 @@ def test_min_nonwrapped_numel_in_float_notation(capsys):
     # given at its default value too (it was not noted then: the check compared it with the default)
     (("verify", "seed-net", "--policy", "module", "--nproc", "2", "--fake-world-size", "2"),
      ["--nproc and --steps have no effect with --fake-world-size (one process, two steps)"]),
+    # (a trial's were silently unused: no profile written, no note)
+    (("verify", "seed-net", "--policy", "module", "--fake-world-size", "2", "--time-steps", "7", "--profile", "pp"),
+     ["--profile, --time-steps and --measure have no effect with --fake-world-size (it counts collectives, bytes "
+      "and memory: fake tensors run no time worth measuring)"]),
 ])
 def test_ignored_options_get_a_note(capsys, args, expected):
     code, _, err = run_main(capsys, *args)

@@ -19,6 +19,7 @@ from fsdp_planner.choices import (
 from fsdp_planner.cli.options import (
     CLUSTER_HELP,
     MIN_MFU,
+    TIME_STEPS,
     VERIFY_NPROC,
     VERIFY_STEPS,
     add_auto_options,
@@ -44,10 +45,6 @@ Subparsers = argparse._SubParsersAction
 # transients of backward ops nor allocator rounding beyond the inter-stream pools; on every run of
 # benchmarks/fidelity_memory.md (83 of 83) the prediction is within 5% of real FSDP2 on the fake process group.
 MEMORY_TOLERANCE = 0.05
-# verify: forward + backward steps timed after the checked ones, their median reported. A quick look, not a
-# measurement: on a shared 2-vCPU host one job's median moves by up to 2x between runs, so
-# benchmarks/fidelity_time.md times 9 steps in each of 5 jobs per plan and takes the median of their medians.
-TIME_STEPS = 5
 # demo: one 8-GPU H100 node training Llama 3 8B on 8,192-token sequences: a job people run, where the classic plans
 # do not fit 80 GB without checkpointing every block, and the search takes seconds.
 DEMO_MODEL, DEMO_CLUSTER, DEMO_OUT_DIR = "llama3-8b", "h100:8", "fsdp-planner-demo"

@@ -32,6 +32,10 @@ from fsdp_planner.limits import MAX_BATCH, MAX_EP_DEGREE, MAX_SEARCH_EFFORT, MAX
 CLUSTER_HELP = "preset and GPU count (h100:64, h100e:128, a100:16, b200:8, h200:512) or a cluster JSON file"
 
 VERIFY_NPROC, VERIFY_STEPS = 2, 3  # verify's torchrun job when --nproc and --steps are not given
+# verify: forward + backward steps timed after the checked ones, their median reported. A quick look, not a
+# measurement: on a shared 2-vCPU host one job's median moves by up to 2x between runs, so
+# benchmarks/fidelity_time.md times 9 steps in each of 5 jobs per plan and takes the median of their medians.
+TIME_STEPS = 5
 
 
 

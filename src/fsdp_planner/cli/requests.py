@@ -24,7 +24,7 @@ from fsdp_planner.choices import (
     ShardPlacement,
     ZeroGrad,
 )
-from fsdp_planner.cli.options import VERIFY_NPROC, VERIFY_STEPS
+from fsdp_planner.cli.options import TIME_STEPS, VERIFY_NPROC, VERIFY_STEPS
 from fsdp_planner.cli.paths import input_file, output_file
 from fsdp_planner.configs.job_config import ACCELERATE, TORCHTITAN, JobConfig, read_config
 from fsdp_planner.errors import PlannerError
@@ -408,6 +408,9 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
     if args.save_checkpoint is not None or args.load_checkpoint is not None:
         notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
                      "hold no values)")
+    if args.profile is not None or args.time_steps != TIME_STEPS or args.measure:  # (a trial: silently unused)
+        notes.append("--profile, --time-steps and --measure have no effect with --fake-world-size (it counts "
+                     "collectives, bytes and memory: fake tensors run no time worth measuring)")
     options = SimOptions.named(args.precision or DEFAULT_PRECISION, args.optimizer, zero_grad=args.zero_grad,
                                micro_batches=micro_batches(args), reshard_after_backward=reshard_after_backward(args),
                                gradient_sync=gradient_sync(args), **memory_options(args))
