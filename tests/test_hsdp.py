@@ -55,6 +55,10 @@ def test_mesh_must_match_the_world(toy) -> None:
     check_plan_world_size(plan, 8)
     with pytest.raises(PlannerError, match="mesh 2x4 has 8 ranks but the job runs on 16: give --mesh"):
         check_plan_world_size(plan, 16)
+    # a plan file's mesh no option changes: planned again, not --mesh (which a note says has no effect with --plan)
+    with pytest.raises(PlannerError, match=r"^the plan file's mesh 2x4 has 8 ranks but the job runs on 16: make the "
+                                           r"plan again for 16 ranks \(a plan file fixes its mesh\)$"):
+        check_plan_world_size(plan, 16, plan_file=True)
     plan = plan.with_group(0, reshard_after_forward=8)  # divides the world (8) but not the shard size (4)
     with pytest.raises(PlannerError, match="divide the shard size of 4 ranks"):
         check_plan_world_size(plan, 8)

@@ -735,27 +735,31 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small) | {n // d for d in small})
 
 
-def check_plan_world_size(plan: Plan, world_size: int) -> None:
+def check_plan_world_size(plan: Plan, world_size: int, plan_file: bool = False) -> None:
     """Refuse a plan that FSDP2 cannot apply on ``world_size`` ranks: its layout must fit them
     (``check_plan_layout``), and an int ``reshard_after_forward`` is the size of the post-forward sub-mesh, so it
     must divide the shard size and not exceed it (``fully_shard`` raises otherwise). Called where a plan meets a
     cluster or a process count."""
-    check_plan_layout(plan, world_size)
+    check_plan_layout(plan, world_size, plan_file)
     check_reshard_sizes(plan, world_size)
 
 
-def check_plan_layout(plan: Plan, world_size: int) -> None:
+def check_plan_layout(plan: Plan, world_size: int, plan_file: bool = False) -> None:
     """Refuse a plan whose layout does not fit ``world_size`` ranks: its TP degree must divide them, its mesh have
-    that many, its EP degree divide the data-parallel shard ranks."""
+    that many, its EP degree divide the data-parallel shard ranks. ``plan_file``: the plan is a file's, whose mesh
+    no option changes (its refusal says to plan again, not to give --mesh)."""
     tp = plan.tp_degree
     if world_size % tp:
         raise PlannerError(f"the plan's tensor-parallel degree {tp} does not divide the {world_size} ranks it is run "
                            "on: give a world size that is a multiple of it, or plan again for this one")
     if plan.mesh is not None and plan.mesh.size * tp != world_size:
         ranks = f"{plan.mesh.size} ranks" + (f" (x TP {tp})" if tp > 1 else "")
+        if plan_file:  # (--mesh has no effect with --plan: a trial was told both)
+            raise PlannerError(f"the plan file's mesh {plan.mesh.describe()} has {ranks} but the job runs on "
+                               f"{world_size}: make the plan again for {world_size} ranks (a plan file fixes its "
+                               "mesh)")
         raise PlannerError(f"the mesh {plan.mesh.describe()} has {ranks} but the job runs on {world_size}: give "
-                           f"--mesh REPLICATExSHARD with a product of {world_size // tp} (e.g. 1x{world_size // tp}), "
-                           f"or, for a plan file, make the plan again for {world_size} ranks")
+                           f"--mesh REPLICATExSHARD with a product of {world_size // tp} (e.g. 1x{world_size // tp})")
     shard = plan.shard_size(world_size)
     if plan.ep_degree > 1 and plan.ep_degree % tp:
         raise PlannerError(f"the plan's expert-parallel degree {plan.ep_degree} is not a multiple of its TP degree "

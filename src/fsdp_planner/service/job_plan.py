@@ -30,7 +30,7 @@ def job_plan(tr: Trace, plan_file: Path | None, policy: PolicyRequest | None, mo
         assert policy is not None
         plan = policy_plan(tr, policy, model, cluster, options, reporter, world)
     if world is not None:
-        check_plan_world_size(plan, world)
+        check_plan_world_size(plan, world, plan_file=plan_file is not None)
     return plan
 
 

@@ -104,7 +104,7 @@ def checked_on_model(read: Plan, path: str, tr: Trace, model: ModelSpec | str,
     plan = checked_on_trace(read, tr, note, lambda p: check_plan_tp(p, tr, as_spec(model), note))
     check_plan_methods(plan, model)
     if world is not None:
-        check_plan_world_size(plan, world)
+        check_plan_world_size(plan, world, plan_file=True)
     return plan
 
 
