@@ -304,6 +304,11 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
                     str(tmp_path / "no_c10d.json"), *job, "--out", str(tmp_path / "x.json"))
     assert done.returncode == 2 and 'all-gathers 0 times a step (0 B) where the plan does 11 times' in done.stderr
     assert '(step 1 of "no_c10d.json")' in done.stderr and not (tmp_path / "x.json").exists()
+    (tmp_path / "q").mkdir()  # two runs' rank0.json: the file named by its path (a trial could not tell which)
+    (tmp_path / "q" / "rank0.json").write_text(json.dumps(data))
+    done = run_main("calibrate", "--trace", str(tmp_path / "p" / "rank0.json"), "--trace",
+                    str(tmp_path / "q" / "rank0.json"), *job, "--out", str(tmp_path / "x.json"))
+    assert done.returncode == 2 and '(step 1 of "q/rank0.json")' in done.stderr, done.stderr
     simulated = ["simulate", "toy-llama", "--policy", "titan", "--cluster", str(out), "--against"]
     assert run_main(*simulated, str(tmp_path / "p" / "rank0.json")).returncode == 0
     done = run_main(*simulated, str(tmp_path / "no_c10d.json"))

@@ -389,6 +389,17 @@ def cpu_base(world: int) -> Cluster:
                    compute=Compute(1.0, 0.0, 1.0, 1.0, 0.0, "calibrate --trace"))
 
 
+def _named(path: str, traces: list[MeasuredTrace]) -> str:
+    """A trace's file by as many of its path's last parts as tell it from the other traces' (two runs'
+    rank0.json: "run2/rank0.json"), its whole path where none do."""
+    parts = Path(path).parts
+    for n in range(1, len(parts)):
+        tail = Path(*parts[-n:])
+        if sum(Path(*Path(t.path).parts[-n:]) == tail for t in traces) == 1:
+            return str(tail)
+    return path
+
+
 def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Cluster | None,
               options: SimOptions) -> tuple[Cluster, TraceFit]:
     """The cluster fitted to ``traces`` of ``plan`` on ``trace``'s model, and how it matches them."""
@@ -472,7 +483,7 @@ def check_matches(ops: RankOps, plan: Plan, traces: list[MeasuredTrace], report:
             problems = _step_problems(step, t, plan, report, counts, flops)
             if problems:
                 raise PlannerError(f"the traces are not of the job given: {'; '.join(problems)} (step {i + 1} of "
-                                   f"{shown_json(Path(t.path).name)}): give the --model, --plan or --policy, "
+                                   f"{shown_json(_named(t.path, traces))}): give the --model, --plan or --policy, "
                                    "--batch, --seq and --precision the traced job ran with (one job's traces; one "
                                    "forward and backward a profiled step, no micro-batches)")
 
