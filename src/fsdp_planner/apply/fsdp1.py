@@ -47,12 +47,25 @@ def fsdp1_refusal(plan: Plan) -> str | None:
     return None
 
 
+def _unrun(plan: Plan) -> str | None:
+    """What the plan asks for beside its units that the FSDP1 job (``runtime/fsdp1_worker.py``) does not run: a
+    PASS of the job without it would be a PASS of another job (a trial's --fsdp1 --float8 trained bf16, its losses
+    plain FSDP1's, and passed)."""
+    asks = [what for what, on in (
+        ("activation checkpointing (--ac)", plan.activation_checkpointing or plan.selective_checkpointing),
+        ("activation offloading", plan.activation_offloading), ("CPU offload (--offload)", plan.offload),
+        ("float8 (--float8)", plan.float8 is not None), ("a reduce dtype (--reduce-dtype)", plan.reduce_dtype),
+        ("shard dims (--shard-placement)", plan.shard_dims)) if on]
+    return (f"the FSDP1 job runs the plan's units alone, and this plan also asks for {', '.join(asks)}: verify it "
+            "with FSDP2 (drop --fsdp1), or plan without it") if asks else None
+
+
 def check_fsdp1(plan: Plan, model: nn.Module | None = None,
                 kinds: dict[str, tuple[str, bool]] | None = None) -> None:
     """Refuse a plan FSDP1 cannot run; with ``model`` or ``kinds`` (param -> its dtype and requires_grad, a
     trace's: checked before any rank starts), also a unit mixing dtypes or requires_grad in one flat parameter
     (``use_orig_params=False``)."""
-    reason = fsdp1_refusal(plan)
+    reason = fsdp1_refusal(plan) or _unrun(plan)
     if model is not None:
         kinds = {n: (str(p.dtype), p.requires_grad) for n, p in model.named_parameters()}
     if reason is None and kinds is not None:

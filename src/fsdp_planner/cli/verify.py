@@ -61,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
     _check_loss_alone(request.model)  # (first: such a loss also fails the dtype check, for the wrong reason)
     check_model_dtypes(request.model, options.precision)  # before the trace's notes, auto's search and torchrun
     model, tr, plan = _the_job(request, predict_on)
-    if request.fsdp1:
-        _check_fsdp1_runs(plan)
     for finding in routing_skip_findings(routing_skips(model, tr)):  # what makes such a job fail parity, said first
         render.note(f"{finding.message} (check's {finding.code.value}; {finding.fix}): the ranks' batches decide "
                     "whether this job's collectives match")
@@ -309,20 +307,6 @@ def _note_torchrun(note: str) -> None:
     """``_note_what_runs``, less the plan file's note on its chunks (``_the_job`` says what the job runs)."""
     if not note.startswith(CHUNKS_DIFFER):
         _note_what_runs(note)
-
-
-def _check_fsdp1_runs(plan: Plan) -> None:
-    """FSDP1's ranks wrap the plan's units and train: what else the plan asks for they do not run, and a PASS of
-    a job without it would be a PASS of another job (a trial's --fsdp1 --float8 trained bf16, its losses those of
-    plain FSDP1, and passed)."""
-    asks = [what for what, on in (
-        ("activation checkpointing (--ac)", plan.activation_checkpointing or plan.selective_checkpointing),
-        ("activation offloading", plan.activation_offloading), ("CPU offload (--offload)", plan.offload),
-        ("float8 (--float8)", plan.float8 is not None), ("a reduce dtype (--reduce-dtype)", plan.reduce_dtype),
-        ("shard dims (--shard-placement)", plan.shard_dims)) if on]
-    if asks:
-        raise PlannerError(f"--fsdp1 runs the plan's FSDP1 units alone, and this plan also asks for "
-                           f"{', '.join(asks)}: verify it with FSDP2 (drop --fsdp1), or plan without it")
 
 
 TORCHRUN = Reporter(_note_torchrun, REPORTER.progress)  # a torchrun job's: it trains the model's own loss
