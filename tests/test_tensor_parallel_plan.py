@@ -1181,27 +1181,30 @@ def test_auto_says_the_tp_batch_of_the_split_it_chose_only(capsys):
     assert err.count("auto's layout has TP") == 1 and "give --batch 32 for the same job" in err, err
 
 
+def _detected_tp2(capsys, factory: str) -> tuple[dict[str, str], str]:
+    """``plan FACTORY --policy titan --tp 2`` of a tests/fixtures/tp_detected.py model: its layout and stderr."""
+    from fsdp_planner.cli import main
+
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
+    assert main(["plan", f"{fixtures}:{factory}", "--policy", "titan", "--tp", "2", "--cluster", "h100:8",
+                 "--json"]) == 0
+    out = capsys.readouterr()
+    return json.loads(out.out)["plans"][0]["plan"]["tensor_parallel"]["layout"], out.err
+
+
 def test_a_hand_written_llama_block_keeps_the_pairs_its_code_takes(capsys):
     """A Llama block written inline (norms beside q, k, v, o and w1, w3, w2): runs of more than two Linears made no
     pair, so --tp laid out nothing of it (a new user's LLaVA: only its vision tower's MLPs, 11% of the params).
     Each run is a pair now; where its attention views into a fixed head count (which a colwise wq cannot take),
     that kind is left whole with a note and the MLP kept; with heads inferred from the width both are kept."""
-    from fsdp_planner.cli import main
-
-    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
-    assert main(["plan", f"{fixtures}:llama_blocks", "--policy", "titan", "--tp", "2", "--cluster", "h100:8",
-                 "--json"]) == 0
-    styles = json.loads(capsys.readouterr().out)["plans"][0]["plan"]["tensor_parallel"]["layout"]
+    styles, _ = _detected_tp2(capsys, "llama_blocks")
     assert {k: v for k, v in styles.items() if k.startswith("0.")} == {
         "0.wq": "colwise", "0.wk": "colwise", "0.wv": "colwise", "0.wo": "rowwise", "0.w1": "colwise",
         "0.w3": "colwise", "0.w2": "rowwise"}
-    assert main(["plan", f"{fixtures}:llama_blocks_fixed_heads", "--policy", "titan", "--tp", "2", "--cluster",
-                 "h100:8", "--json"]) == 0
-    out = capsys.readouterr()
-    styles = json.loads(out.out)["plans"][0]["plan"]["tensor_parallel"]["layout"]
+    styles, err = _detected_tp2(capsys, "llama_blocks_fixed_heads")
     assert set(styles) == {f"{b}.{m}" for b in "01" for m in ("w1", "w3", "w2")}
     assert "tensor-parallel pairs wq, wk, wv -> wo in _LlamaBlock left whole over TP: one TP rank's step fails " \
-        "(aten.view in module '0'" in out.err
+        "(aten.view in module '0'" in err
 
 
 def test_a_parallel_attention_and_mlp_block_makes_two_pairs_split_at_its_attention(capsys):
@@ -1211,9 +1214,7 @@ def test_a_parallel_attention_and_mlp_block_makes_two_pairs_split_at_its_attenti
     from fsdp_planner.cli import main
 
     fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
-    assert main(["plan", f"{fixtures}:parallel_blocks", "--policy", "titan", "--tp", "2", "--cluster", "h100:8",
-                 "--json"]) == 0
-    styles = json.loads(capsys.readouterr().out)["plans"][0]["plan"]["tensor_parallel"]["layout"]
+    styles, _ = _detected_tp2(capsys, "parallel_blocks")
     assert {k: v for k, v in styles.items() if k.startswith("0.")} == {
         "0.wq": "colwise", "0.wk": "colwise", "0.wv": "colwise", "0.wo": "rowwise", "0.fc_in": "colwise",
         "0.fc_out": "rowwise"}
@@ -1229,14 +1230,11 @@ def test_a_pair_kind_no_degree_splits_by_heads_is_left_whole_and_the_others_kept
     from fsdp_planner.cli import main
 
     fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
-    assert main(["plan", f"{fixtures}:mqa_blocks", "--policy", "titan", "--tp", "2", "--cluster", "h100:8",
-                 "--json"]) == 0
-    out = capsys.readouterr()
-    styles = json.loads(out.out)["plans"][0]["plan"]["tensor_parallel"]["layout"]
+    styles, err = _detected_tp2(capsys, "mqa_blocks")
     assert set(styles) == {f"{b}.mlp.{m}" for b in "01" for m in ("up", "down")}
-    said = " ".join(out.err.split())
+    said = " ".join(err.split())
     assert "tensor-parallel pairs wq, wk, wv -> wo in _MqaAttention left whole over TP: --tp 2 must give each rank " \
-        "whole attention heads of 0.attn.wk: its 8 output features are 1 head of 8" in said, out.err
+        "whole attention heads of 0.attn.wk: its 8 output features are 1 head of 8" in said, err
     assert main(["verify", f"{fixtures}:mqa_blocks", "--policy", "titan", "--tp", "2", "--fake-world-size", "4",
                  "--precision", "fp32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["counts_and_bytes_exact"]
