@@ -241,6 +241,17 @@ class TraceIndex:
         return frozenset(out)
 
     @cached_property
+    def outside_readers(self) -> dict[int, frozenset[str]]:
+        """Each param of ``read_outside`` -> the modules whose forward ops read it (the module running each op)."""
+        outside = self.read_outside
+        out: dict[int, set[str]] = {}
+        for _, module, params in self.forward_param_ops:
+            for p in params:
+                if p in outside:
+                    out.setdefault(p, set()).add(module)
+        return {p: frozenset(m) for p, m in out.items()}
+
+    @cached_property
     def not_enclosing(self) -> frozenset[str]:
         """Modules whose calls do not enclose every call below them: those above a module called while its parent
         module is not running (a parent calling a grandchild directly, ``self.layer.proc(x)``; a shared module

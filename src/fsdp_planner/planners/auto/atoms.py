@@ -42,23 +42,12 @@ def plan_atoms(trace: Trace, whole_blocks: bool) -> list[Atom]:
     return atoms
 
 
-def _readers(trace: Trace) -> dict[int, set[str]]:
-    """Param -> the modules whose forward reads it outside the modules that own it (``read_outside``)."""
-    outside = trace.index.read_outside
-    out: dict[int, set[str]] = {}
-    for _, module, params in trace.index.forward_param_ops:
-        for p in params:
-            if p in outside:
-                out.setdefault(p, set()).add(module)
-    return out
-
-
 def _folded_into_readers(trace: Trace, atoms: list[Atom]) -> list[Atom]:
     """An atom whose params only its ancestor's forward reads (``nn.MultiheadAttention``'s out_proj, whose weight
     the attention reads itself; it is never called) joins that ancestor's atom: in one group FSDP2 unshards it
     around each read, and a group of its own would never be unsharded. Pinned to the root instead, it held every
     boundary next to an attention fixed (auto's refinement moved none of a ViT's, and --explain said 'fixed')."""
-    readers = _readers(trace)
+    readers = trace.index.outside_readers
     host_of = {m: ai for ai, a in enumerate(atoms) for m in a.modules}
     folded: dict[int, int] = {}
     for ai, a in enumerate(atoms):
@@ -87,7 +76,7 @@ def pin_atoms(trace: Trace, atoms: list[Atom]) -> None:
     first, last = [-1] * len(atoms), [-1] * len(atoms)
     only_mine = [0] * len(atoms)  # forward param-reading ops that read this atom alone
     # (a read inside a module of the param's own atom is inside its group: ``_folded_into_readers``)
-    outside = {atom_of[p] for p, modules in _readers(trace).items() if p in atom_of
+    outside = {atom_of[p] for p, modules in trace.index.outside_readers.items() if p in atom_of
                and not all(any(is_within(r, m) for m in atoms[atom_of[p]].modules) for r in modules)}
     for k, (_, _, params) in enumerate(trace.index.forward_param_ops):  # k: among forward ops reading params
         read = {atom_of[p] for p in params if p in atom_of}  # params on the root module are in no atom
