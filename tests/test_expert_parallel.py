@@ -385,10 +385,16 @@ def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
         (2, 2, TPStyle.TOKEN_SPLIT)
     both = api.plan(TINY, cluster="h100:8", policy="titan", ep=2, tp=2)
     assert (both.ep_degree, both.tp_degree, both.tensor_parallel.layout[experts]) == (2, 2, TPStyle.TOKEN_SPLIT)
-    from fsdp_planner.report.step_view import step_view
+    from fsdp_planner.report.step_view import BarKind, step_view
 
     tr, cluster = _traced(), parse_cluster("h100:8")  # its picture: one EP rank's step of one TP rank's
-    assert step_view(tr, both, cluster, BF16).report.step_time == simulate(tr, both, cluster, BF16).step_time
+    view = step_view(tr, both, cluster, BF16)
+    assert view.report.step_time == simulate(tr, both, cluster, BF16).step_time
+    # its TP collectives and all-to-alls on a lane of their own, adding up to the report's seconds of each
+    lane = view.lanes[-1]
+    assert lane.name == "TP / EP"
+    for kind, seconds in ((BarKind.TP_COLLECTIVE, view.report.tp_time), (BarKind.EP_ALL_TO_ALL, view.report.ep_time)):
+        assert sum(b.seconds for b in lane.bars if b.kind is kind) == pytest.approx(seconds, rel=1e-9) and seconds
     with pytest.raises(PlannerError, match="must be a multiple of 2"):
         api.plan(TINY, cluster="h100:8", policy="titan", ep=1 + 2, tp=2)
 

@@ -84,6 +84,39 @@ def test_lanes_hold_every_collective(views):
     assert {b.kind for b in views[0].lanes[0].bars} >= {BarKind.FORWARD, BarKind.BACKWARD, BarKind.EXPOSED}
 
 
+@pytest.mark.parametrize("ac", ["full", "op"])
+def test_tp_collectives_are_drawn_where_compute_waits_for_them(ac):
+    """A TP plan's picture draws its collectives on a lane of their own, each inside the compute bar that runs it:
+    once in forward or backward, and again inside the recomputation of a checkpointed block (not the outputs an
+    op-level policy keeps). They add up to the report's TP seconds (the pictures drew none: the text said them)."""
+    from fsdp_planner import api
+    from fsdp_planner.report.step_view import event_times, parallel_bars
+    from fsdp_planner.sim.context import SimContext
+    from fsdp_planner.sim.options import SimOptions, plan_options
+    from fsdp_planner.sim.tensor_parallel import tp_view
+    from fsdp_planner.sim.timeline import Work
+
+    tr, cluster = traced("toy-llama"), parse_cluster("h100:8")
+    plan = api.plan("toy-llama", cluster=cluster, policy="titan", tp=2, ac=ac)
+    v = step_view(tr, plan, cluster)
+    r = v.report
+    assert [lane.name for lane in v.lanes] == ["compute", "all-gather", "reduce-scatter", "TP"]
+    tp = v.lanes[3].bars
+    assert {b.kind for b in tp} == {BarKind.TP_COLLECTIVE}
+    assert sum(b.seconds for b in tp) == pytest.approx(r.tp_time, rel=1e-9)
+    compute = [b for b in v.lanes[0].bars if b.kind in (BarKind.FORWARD, BarKind.BACKWARD, BarKind.RECOMPUTE)]
+    tol = r.step_time * 1e-12
+    assert all(any(c.start - tol <= b.start and b.end <= c.end + tol for c in compute) for b in tp)
+    # one bar a collective run, recomputations included (before thin ones merge), on the TP rank's view
+    view = tp_view(tr, plan.tensor_parallel, cluster, None)
+    ctx = SimContext(view.trace, view.cluster, plan_options(view.plan(plan), SimOptions()))
+    times = event_times(r.timeline, ctx.cum, len(view.trace.events))
+    bars = parallel_bars(ctx, view.plan(plan), r.timeline, times)
+    assert len(bars) == r.tp_all_gathers + r.tp_reduce_scatters + r.tp_all_reduces > 0
+    recomputes = [e for e in r.timeline if e.work is Work.RECOMPUTE]
+    assert any(e.start <= b.start < e.end for b in bars for e in recomputes)  # (op: those not kept run again)
+
+
 @pytest.mark.parametrize("groups", [1, 2, 3])
 def test_coarse_plans_colour_each_phase_by_the_step_s_own_boundary(groups):
     """With a few large groups, few collectives stop the clocks, and a run of ops used to cross from the loss into

@@ -15,15 +15,17 @@ from enum import Enum
 import numpy as np
 
 from fsdp_planner.fmt import fmt_bytes, fmt_time
+from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.context import SimContext
-from fsdp_planner.sim.expert_parallel import ep_view
+from fsdp_planner.sim.expert_parallel import ep_positions, ep_view
 from fsdp_planner.sim.options import SimOptions, plan_options
+from fsdp_planner.sim.recompute import CheckpointedCall, checkpointed_calls
 from fsdp_planner.sim.simulate import StepReport, simulate
-from fsdp_planner.sim.tensor_parallel import tp_view
+from fsdp_planner.sim.tensor_parallel import tp_positions, tp_view
 from fsdp_planner.sim.timeline import Stream, TimelineEvent, Work
 from fsdp_planner.trace.records import Trace
 
@@ -46,6 +48,8 @@ class BarKind(Enum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
+    TP_COLLECTIVE = "tp_collective"  # TP's collectives of activations and grads, which compute waits for
+    EP_ALL_TO_ALL = "ep_all_to_all"  # EP's all-to-alls of routed tokens, which compute waits for
 
     @property
     def label(self) -> str:
@@ -68,6 +72,8 @@ _LABELS = {
     BarKind.ALL_GATHER: "all-gather",
     BarKind.REDUCE_SCATTER: "reduce-scatter",
     BarKind.ALL_REDUCE: "all-reduce (HSDP replicas)",
+    BarKind.TP_COLLECTIVE: "TP collective (inside the compute bars: compute waits)",
+    BarKind.EP_ALL_TO_ALL: "EP all-to-all (inside the compute bars: compute waits)",
 }
 _COLORS = {
     BarKind.FORWARD: "#4c78a8",
@@ -80,6 +86,8 @@ _COLORS = {
     BarKind.ALL_GATHER: "#54a24b",
     BarKind.REDUCE_SCATTER: "#f58518",
     BarKind.ALL_REDUCE: "#b279a2",
+    BarKind.TP_COLLECTIVE: "#d67195",
+    BarKind.EP_ALL_TO_ALL: "#8c6d31",
 }
 _COMM = {Stream.ALL_GATHER: BarKind.ALL_GATHER, Stream.REDUCE_SCATTER: BarKind.REDUCE_SCATTER,
          Stream.ALL_REDUCE: BarKind.ALL_REDUCE}
@@ -109,7 +117,7 @@ class StepView:
 
     label: str
     report: StepReport
-    lanes: list[Lane]  # compute, all-gather, reduce-scatter (and all-reduce under HSDP)
+    lanes: list[Lane]  # compute, all-gather, reduce-scatter (and all-reduce under HSDP, TP's and EP's under them)
     memory_times: np.ndarray  # start of each event position, then the step's end
     memory_bytes: np.ndarray  # allocated bytes per rank from that time on (the last repeats the one before)
     capacity: int  # one GPU's memory
@@ -155,6 +163,10 @@ def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | 
     comm = [comm_bars(report.timeline, s) for s in _COMM if s is not Stream.ALL_REDUCE or ctx.mesh.replicate > 1]
     compute = compute_bars(report.timeline, trace.index.forward_end, report.step_time, comm)
     lanes = [Lane("compute", compute), *(Lane(k.label.split(" (")[0], bars) for k, bars in comm)]
+    parallel = parallel_bars(ctx, plan, report.timeline, times)
+    if parallel:  # (named by what the plan runs: "TP", "EP" or "TP / EP")
+        name = " / ".join(k for k, on in (("TP", trace.tensor_parallel), ("EP", trace.expert_parallel)) if on)
+        lanes.append(Lane(name, merge_thin(parallel, report.step_time * MIN_BAR_SHARE)))
     return StepView(label or plan.policy or "plan", report, lanes,
                     np.append(times, report.step_time), np.append(levels, _optimizer_level(ctx, plan, levels)),
                     cluster.gpu.memory_bytes, cluster.gpu.name, float(times[trace.index.forward_end]),
@@ -173,13 +185,42 @@ def event_times(timeline: Sequence[TimelineEvent], cum: Sequence[float], n: int)
     """When each event position ``0..n`` starts: the compute run holding it started at ``start`` with op ``op``,
     and the ops before it in the run took ``cum[k] - cum[op]``. Positions of zero-time ops that ended a run
     (no event of their own) sit at its end."""
-    runs = sorted((e for e in timeline if e.stream is Stream.COMPUTE and e.op >= 0), key=lambda e: e.op)
+    runs = sorted((e for e in timeline if e.stream is Stream.COMPUTE and e.work is Work.OPS and e.op >= 0),
+                  key=lambda e: e.op)
     cum_arr = np.asarray(cum)
     out = np.zeros(n + 1)
     for k, e in enumerate(runs):
         stop = runs[k + 1].op if k + 1 < len(runs) else n + 1
         out[e.op:stop] = np.minimum(e.start + cum_arr[e.op:stop] - cum_arr[e.op], e.end)
     return out
+
+
+def parallel_bars(ctx: SimContext, plan: Plan, timeline: Sequence[TimelineEvent], times: np.ndarray) -> list[Bar]:
+    """TP's collectives and EP's all-to-alls, each where it runs: at its op's place in its compute run, and again
+    inside the recomputation that runs it (a checkpointed call's forward ops, less those its policy keeps, in
+    order from the recompute bar's start: the seconds ``SimContext.recompute`` adds up). Eager DTensor and the
+    all-to-alls block the compute stream, so these bars sit inside the compute lane's, not beside them."""
+    trace = ctx.trace
+    kinds = {p: BarKind.TP_COLLECTIVE for p in tp_positions(trace, ctx.grad_sync).tolist()} \
+        if trace.tensor_parallel else {}
+    if trace.expert_parallel:
+        kinds |= {p: BarKind.EP_ALL_TO_ALL for p in ep_positions(trace).tolist()}
+    if not kinds:
+        return []
+    name = lambda p: trace.events[p].module or "(root)"  # noqa: E731
+    bars = [Bar(k, name(p), float(times[p]), float(times[p]) + ctx.times[p]) for p, k in kinds.items()]
+    calls: dict[int, list[CheckpointedCall]] = {}
+    for c in checkpointed_calls(trace, plan_checkpointing(plan)):
+        if not c.offload:  # (its saved tensors copied out and back: nothing runs again)
+            calls.setdefault(c.runs_again_at(trace), []).append(c)
+    for e in timeline:
+        if e.work is Work.RECOMPUTE and e.op >= 0:
+            t = e.start
+            for p in (p for c in calls.get(e.op, ()) for p in c.recomputed(trace)):
+                if p in kinds:
+                    bars.append(Bar(kinds[p], name(p), t, min(t + ctx.times[p], e.end)))
+                t += ctx.times[p]
+    return sorted((b for b in bars if b.end > b.start), key=lambda b: b.start)
 
 
 def comm_bars(timeline: Sequence[TimelineEvent], stream: Stream) -> tuple[BarKind, list[Bar]]:

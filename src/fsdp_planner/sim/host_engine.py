@@ -104,10 +104,10 @@ class HostRank:
             self.copy += nbytes / bandwidth
             self._spend(nbytes / bandwidth, Stream.COMPUTE, f"copy-out {name}", Work.COPY_OUT, c.group)
 
-    def recompute(self, r: Recompute) -> float:
-        """A checkpointed forward run again; its seconds."""
+    def recompute(self, r: Recompute, at: int) -> float:
+        """A checkpointed forward run again at boundary ``at``; its seconds."""
         seconds = max(0.0, r.seconds + r.ops * self.overhead.op_seconds)
-        self._ran(r.seconds, seconds, Stream.COMPUTE, f"recompute {fmt_modules(r.modules, 1)}", Work.RECOMPUTE)
+        self._ran(r.seconds, seconds, Stream.COMPUTE, f"recompute {fmt_modules(r.modules, 1)}", Work.RECOMPUTE, at)
         # no ``copy_seconds``: on CPU ranks ``save_on_cpu`` packs a CPU tensor as itself (``tensor.cpu()``), no copy
         return seconds
 
@@ -135,7 +135,7 @@ def simulate_host(ctx: SimContext, plan: Plan, sched: Schedule, gather: list[int
         for c in issued.get(idx, ()):
             rank.collective(c)
         if idx in recompute:
-            recomputed += rank.recompute(recompute[idx])
+            recomputed += rank.recompute(recompute[idx], idx)
     exposed = sum(rank.busy.values())
     return StepTimes(step=rank.t, recompute=recomputed, exposed=exposed, busy=rank.busy, host_time=rank.host,
                      host_wait=rank.host, copy_time=rank.copy, events=rank.timeline.events,

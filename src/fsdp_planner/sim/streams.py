@@ -127,11 +127,11 @@ class Streams:
             self.timeline.add(Stream(c.kind.value), fmt_modules(self.plan.groups[c.group].modules, 1), start - copy_in,
                               end, c.group)
 
-    def run_extra(self, seconds: float, name: str, launched: float = 0.0) -> None:
-        """Compute that is not one of the trace's ops (a checkpointed forward run again), its last op launched by
-        the host at ``launched``."""
+    def run_extra(self, seconds: float, name: str, at: int, launched: float = 0.0) -> None:
+        """Compute that is not one of the trace's ops (a checkpointed forward run again at boundary ``at``), its
+        last op launched by the host at ``launched``."""
         if seconds > 0:
-            self.timeline.add(Stream.COMPUTE, name, self.t, self.t + seconds, work=Work.RECOMPUTE)
+            self.timeline.add(Stream.COMPUTE, name, self.t, self.t + seconds, op=at, work=Work.RECOMPUTE)
         self.t += seconds
         self.wait_for_host(launched)
 
@@ -230,7 +230,7 @@ def simulate_streams(ctx: SimContext, plan: Plan, sched: Schedule, groups: list[
         if idx in recompute:  # the checkpointed forward runs again once the params it reads are gathered
             r = recompute[idx]
             streams.wait_for(sorted({group_of[p] for p in r.params if p in group_of}))
-            streams.run_extra(r.seconds, f"recompute {fmt_modules(r.modules, 1)}", host.at(idx) if host else 0.0)
+            streams.run_extra(r.seconds, f"recompute {fmt_modules(r.modules, 1)}", idx, host.at(idx) if host else 0.0)
             streams.run_copy(r.copy_seconds, f"activation copies {fmt_modules(r.modules, 1)}")
             if r.syncs and host is not None:  # it read outputs on the host again: taken as the recomputation's end
                 host.waited(idx, streams.t)
