@@ -5,6 +5,7 @@ reduce-scatters only in the last, the accumulated unsharded grads in memory."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -318,8 +319,10 @@ def test_auto_keeps_a_batchnorm_model_s_batch_whole_unless_asked(capsys):
     assert main(["plan", spec, "--policy", "auto", "--cluster", "h100:8", "--batch", "4", "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["micro_batches"] == 1
-    assert "auto keeps --batch 4 whole: " in captured.err and "(BatchNorm)" in captured.err
-    assert "step time of each split's auto plan: 1: " in captured.err and ", 2: " not in captured.err
+    assert re.search(r"auto keeps --batch 4 whole: module '[^']+' and \d+ other modules normalise by the batch's "
+                     r"statistics \(BatchNorm\)", captured.err)
+    assert "split" not in captured.err.replace("auto splits it all the same", "")  # (one reason, not a comparison
+    # of one split said as the fastest of those compared)
     assert main(["plan", spec, "--policy", "auto", "--cluster", "h100:8", "--batch", "4", "--micro-batches", "2",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["micro_batches"] == 2

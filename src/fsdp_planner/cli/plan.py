@@ -90,7 +90,8 @@ def _split_note(outcome: PlanOutcome) -> None:
     elif n > 1:
         render.note(f"auto splits --batch {n * batch} into {n} micro-batches of {batch}, the fastest split that fits "
                     f"(step time of each split's auto plan: {shown}; --micro-batches 1 keeps the batch whole)")
-    else:  # (each split is a search of its own: said, so that the time it took is not a mystery)
+    elif len(outcome.splits) > 1:  # (each split is a search of its own: said, so that the time it took is not a
+        # mystery; one alone was a batch kept whole for its BatchNorm, which its own note says)
         render.note(f"auto kept --batch {batch} whole, the fastest that fits of the splits it compared (step time "
                     f"of each split's auto plan: {shown}; --micro-batches 1 plans the whole batch only)")
 

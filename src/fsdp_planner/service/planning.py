@@ -248,9 +248,10 @@ def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, t
 
     best, tried = choose_split(batch, searched, DEFAULT_SPLITS if job.split_by_default else MAX_SPLITS, runs)
     if norms and job.split_by_default:
-        reporter.note(f"auto keeps --batch {batch} whole: {norms[0]}{' and others' if len(norms) > 1 else ''} "
-                      "normalise by the batch's statistics (BatchNorm), which micro-batches would change: "
-                      "--micro-batches N or auto splits it all the same")
+        others = f" and {len(norms) - 1} other module{'s' if len(norms) > 2 else ''}" if len(norms) > 1 else ""
+        reporter.note(f"auto keeps --batch {batch} whole: module '{norms[0]}'{others} normalise"
+                      f"{'s' if len(norms) == 1 else ''} by the batch's statistics (BatchNorm), which micro-batches "
+                      "would change: --micro-batches N or auto splits it all the same")
     for line in dict.fromkeys(heard.get(best.micro_batches, ())):
         reporter.note(line)
     return at(best.micro_batches), tuple(Split(s.micro_batches, s.result.report.step_time, s.result.fits)
