@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch_env
+from conftest import launch_env, traced
 
 import fsdp_planner as fp
 from fsdp_planner import cli
@@ -192,6 +192,66 @@ def test_module_arguments_are_checked():
         fp.plan("toy-llama", lm.example_inputs)
     with pytest.raises(PlannerError, match=r"nn\.Module or a MODEL spec string"):
         fp.plan(42)  # type: ignore[arg-type]
+
+
+def test_module_inputs_are_one_micro_batch():
+    """An nn.Module's inputs are one micro-batch: micro_batches=N plans a step of N of them (it asked for batch,
+    which a module refuses: the two sentences sent a trial of the API round in a circle); 'auto', which traces
+    the batch at each split, is refused in one sentence."""
+    lm = load_model("toy-llama", meta=True)
+    one = fp.plan(lm.model, lm.example_inputs, lm.loss_fn, policy="titan", cluster="h100:8")
+    two = fp.plan(lm.model, lm.example_inputs, lm.loss_fn, policy="titan", cluster="h100:8", micro_batches=2)
+    tr = fp.trace(lm.model, lm.example_inputs, lm.loss_fn)
+    step = [fp.simulate(tr, one, "h100:8", fp.SimOptions.named(micro_batches=n)).step_time for n in (1, 2)]
+    assert two.signature() == one.signature() and step[1] > 1.5 * step[0]
+    with pytest.raises(PlannerError, match=r"^micro_batches='auto' lets auto split a MODEL spec's batch.*give "
+                                           r"micro_batches=N"):
+        fp.plan(lm.model, lm.example_inputs, lm.loss_fn, micro_batches="auto")
+
+
+def _bad_calls(tr, plan):  # (call, the sentence it raises)
+    from fsdp_planner.models import load_model as load
+
+    module = load("toy-llama", meta=True).model
+    return [
+        (lambda: fp.simulate(tr, None, "h100:8"), r"^simulate's plan must be a Plan, not None$"),
+        (lambda: fp.simulate(tr, plan.to_dict(), "h100:8"), r"^simulate's plan must be a Plan, not a dict$"),
+        (lambda: fp.simulate(module, plan, "h100:8"), r"^simulate's trace must be a Trace, not a Transformer$"),
+        (lambda: fp.simulate(tr, plan, "h100:8", "fp32"), r"^simulate's options must be a SimOptions or None"),
+        (lambda: fp.plan_metrics(tr, plan, 0), r"world_size must be a number of ranks from 1 to 1,000,000, not 0"),
+        (lambda: fp.plan_metrics(tr, plan, True), r"world_size must be an int or None, not bool True"),
+        (lambda: fp.plan_metrics(tr, plan, "8"), r"world_size must be an int or None, not str '8'"),
+        (lambda: fp.parse_cluster(None), r"^parse_cluster's spec must be a str, not None$"),
+        (lambda: fp.trace("toy-llama", ()), r"^trace's model must be an nn\.Module, not str 'toy-llama'$"),
+        (lambda: fp.ExecutionOrderPolicy().plan(module), r"^ExecutionOrderPolicy\.plan's trace must be a Trace"),
+        (lambda: fp.AutoPolicy("h100:8").plan(module), r"^AutoPolicy\.plan's trace must be a Trace"),
+        (lambda: fp.SimOptions(precision="fp32"), r"^SimOptions's precision must be a Precision, not str 'fp32': "
+                                                  r"SimOptions\.named\(precision=\.\.\."),
+        (lambda: fp.AutoPolicy("h100:8", checkpointing="bogus"), r"^AutoPolicy's checkpointing must be one of "
+                                                                  r"'none', 'full'.*not 'bogus'"),
+        (lambda: fp.Plan.from_json(plan.to_dict()), r"^Plan\.from_json reads a plan's JSON text \(a str\), not dict"),
+        (lambda: plan.with_group(99), r"^with_group's i must be a group's index, from 0 to"),
+        (lambda: fp.simulate(tr, plan.with_group(0, reshard_after_forward="no"), "h100:8"),
+         r"reshard_after_forward must be true, false or a positive whole number"),
+    ]
+
+
+def test_the_api_s_arguments_are_checked_at_the_door():
+    """A value of another type than an API function or class takes is one sentence naming the argument (a trial
+    met AttributeErrors from deep inside: a module given as the trace, a precision's name to SimOptions, a plan as
+    a dict); an enum's value converts to the enum (``checkpointing="full"`` was kept as a string, planned as no
+    fixed mode); a size by name converts as the command line reads it; one name is a tuple of it, not of its
+    letters."""
+    from fsdp_planner.choices import ACMode
+
+    tr = traced("toy-llama")
+    plan = fp.ExecutionOrderPolicy().plan(tr)
+    for call, message in _bad_calls(tr, plan):
+        with pytest.raises(PlannerError, match=message):
+            call()
+    assert fp.AutoPolicy("h100:8", checkpointing="full").checkpointing is ACMode.FULL
+    assert fp.ExecutionOrderPolicy("1MiB").target_bytes == 1 << 20
+    assert plan.replace(activation_checkpointing="layers.3").activation_checkpointing == ("layers.3",)
 
 
 def test_importing_the_package_does_not_import_torch():

@@ -412,6 +412,33 @@ def test_same_command_same_plan_bytes_under_other_hash_seeds(tmp_path):
     assert (tmp_path / "0.json").read_bytes() == (tmp_path / "1.json").read_bytes()
 
 
+def test_no_fit_blames_buffers_as_buffers():
+    """Buffers are whole on every rank: counted as sharded state, a model of 13 KB of params and 3 MB of buffers
+    was told to use more GPUs, which shrink nothing of them (a trial of the API)."""
+    import torch
+    from torch import nn
+
+    from fsdp_planner.sim.tracing import trace
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+            self.register_buffer("mask", torch.ones(768, 1024))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.mask[0, :32]
+
+    with torch.device("meta"):
+        model, x = Masked(), torch.randn(4, 32)
+    tr = trace(model, (x,), lambda out: out.sum())
+    result = AutoPolicy(parse_cluster("h100:16"), 1 << 20).search(tr)
+    assert not result.fits
+    message = infeasible_message(result)
+    assert "the largest part is the buffers (whole on every rank): FSDP2 shards no buffer" in message
+    assert "use more GPUs" not in message
+
+
 @pytest.mark.parametrize("spec", [f"{FIXTURES / 'factories.py'}:big_vocab", "toy-llama"])
 def test_no_fit_names_the_smallest_peak_s_terms_and_blames_the_largest(spec):
     """The message breaks the smallest peak into named terms that add up to it, and blames the largest: for a

@@ -178,6 +178,24 @@ def test_a_real_model_reads_its_params_as_on_meta():
     assert events[0] == events[1]
 
 
+def test_a_real_batch_is_the_batch_as_on_meta():
+    """Under the fake mode the first op reads a real input through its fake copy: counted by its storage alone,
+    its save was an activation, and a real model's peak came out one input above its meta twin's (a trial of the
+    API: 524,288 bytes, the input's)."""
+    from fsdp_planner.sim.tracing import trace as traced
+
+    def build() -> tuple[nn.Module, torch.Tensor]:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), torch.randn(4, 256, 64)
+
+    model, x = build()
+    with torch.device("meta"):
+        twin, meta_x = build()
+    saved = [[e.saved for e in traced(m, (i,), lambda out: out.square().mean(), precision="fp32").events]
+             for m, i in ((model, x), (twin, meta_x))]
+    assert saved[0] == saved[1] and sum(saved[0]) > 0
+
+
 class _Gated(nn.Module):
     """A product of two projections: its backward makes the grads of both factors, one after the other."""
 

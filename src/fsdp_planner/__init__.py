@@ -14,7 +14,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fsdp_planner.api import plan, plan_metrics, simulate
+    from fsdp_planner.api import plan, plan_metrics, simulate, trace
     from fsdp_planner.apply import apply_plan
     from fsdp_planner.errors import PlannerError
     from fsdp_planner.fsdp2 import Group, Plan
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         TorchtitanPolicy,
     )
     from fsdp_planner.sim import PlanMetrics, SimOptions, StepReport
-    from fsdp_planner.sim.tracing import PrecisionError, trace
+    from fsdp_planner.sim.tracing import PrecisionError
     from fsdp_planner.trace import Trace
 
 # Each public name and the module it comes from, imported on first use: importing any part of the package (the
@@ -41,9 +41,10 @@ _SOURCES = {
                     "fsdp_planner.planners"),
     **dict.fromkeys(("PlanMetrics", "SimOptions", "StepReport"), "fsdp_planner.sim"),
     # (the API's simulate and plan_metrics check a plan against the trace first, as the command line does)
-    **dict.fromkeys(("plan_metrics", "simulate"), "fsdp_planner.api"),
-    # ``trace`` at a precision (default the command line's): the API and every command trace alike
-    "PrecisionError": "fsdp_planner.sim.tracing", "trace": "fsdp_planner.sim.tracing",
+    # ``trace`` at a precision (default the command line's), of the model's meta twin: the API and every command
+    # trace alike
+    **dict.fromkeys(("plan_metrics", "simulate", "trace"), "fsdp_planner.api"),
+    "PrecisionError": "fsdp_planner.sim.tracing",
     "Trace": "fsdp_planner.trace",
 }
 

@@ -14,7 +14,7 @@ import inspect
 import logging
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from copy import deepcopy
 from typing import Any
 
@@ -24,11 +24,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
+from fsdp_planner.arguments import checked
 from fsdp_planner.attention import kernel
 from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PolicyName, Target, ZeroGrad
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.hardware.cluster import MAX_WORLD_SIZE, Cluster
 from fsdp_planner.models import LoadedModel, ModelSpec
 from fsdp_planner.patching import FAKE_TENSOR_LOGGER, quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY
@@ -45,16 +46,16 @@ from fsdp_planner.service.tracing import (
     step_loss,
     trace_spec,
 )
-from fsdp_planner.service.validate import Keywords, Spelling
+from fsdp_planner.service.validate import SPLIT_AUTO, Keywords, Spelling
 from fsdp_planner.service.validate import cluster as checked_cluster
 from fsdp_planner.service.validate import plan_job as checked_job
+from fsdp_planner.sim import tracing
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import PlanMetrics
 from fsdp_planner.sim.metrics import plan_metrics as metrics_of
-from fsdp_planner.sim.options import Precision, SimOptions
+from fsdp_planner.sim.options import Precision, SimOptions, precision_named
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.sim.simulate import simulate as simulate_step
-from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.chunked_loss import cross_entropy
 from fsdp_planner.trace.records import Trace
 
@@ -94,7 +95,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     factory's model; a step that cannot run on meta (a tensor made on an explicit device in forward) is traced on
     the real model under fake tensors instead, its params' values, dtypes and grads restored.
     """
-    _check_model(model, inputs, loss_fn, policy, batch, seq, hf_config)
+    _check_model(model, inputs, loss_fn, policy, batch, seq, hf_config, micro_batches)
     keywords = Keywords(
         model=model if isinstance(model, str) else None, cluster=cluster, policy=policy, precision=precision,
         optimizer=optimizer, batch=batch, seq=seq, ac=ac, ac_policy=ac_policy, early_stop=early_stop, mesh=mesh,
@@ -105,7 +106,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         ep=ep, ep_placement=ep_placement, fp32_modules=fp32_modules or None,
         loss_chunks=None if loss_chunks == 0 and type(loss_chunks) is int else loss_chunks, compile=compile,
         compile_loss=compile_loss, float8=float8, float8_all_gather=float8_all_gather,
-        float8_skip=float8_skip or None, float8_tp_all_gather=float8_tp_all_gather, zero_grad=zero_grad)
+        float8_skip=float8_skip or None, float8_tp_all_gather=float8_tp_all_gather, zero_grad=zero_grad,
+        inputs_batch=not isinstance(model, str))
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
                       split_by_default=True)
     said: list[str] = []  # the trace's notes: the API prints none, but warns of a compiled loss it could not give
@@ -150,6 +152,7 @@ def api_spelling(message: str) -> str:
 _KEYWORDS = frozenset(inspect.signature(plan).parameters) - {"model", "inputs", "loss_fn"}
 
 
+@checked
 def simulate(trace: Trace, plan: Plan, cluster: Cluster | str | None = None, options: SimOptions | None = None, *,
              context: SimContext | None = None, timeline: bool = True) -> StepReport:
     """One step of ``plan`` on ``cluster`` (a ``Cluster``, a preset such as ``"h100:64"`` or a cluster JSON path):
@@ -162,18 +165,56 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | str | None = None, opt
     named = checked_cluster(cluster, Spelling.API)
     if named is None and context is None:
         raise PlannerError("simulate needs a cluster: a Cluster, a preset such as 'h100:8' or a cluster JSON path")
-    return simulate_step(trace, checked_on_trace(plan, trace), named, options, context=context, timeline=timeline)
+    return simulate_step(trace, _checked_plan(plan, trace), named, options, context=context, timeline=timeline)
 
 
+@checked
+def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+          precision: Precision | str = DEFAULT_PRECISION, reuse: bool = True, routing: float = DEFAULT_CAPACITY,
+          fp32_modules: Sequence[str] = ()) -> Trace:
+    """One training step of ``model`` traced as FSDP2 runs it under ``precision`` (``sim.tracing.trace``, whose
+    docstring says how), on the model's meta twin with its inputs and loss on meta, as ``plan`` traces a module: a
+    real model gives its meta twin's figures, the command line's (traced under fake CPU tensors it took CPU kernels'
+    choices, and counted its first op's save of the batch as an activation: a trial of the API), and is left
+    untouched. A model that cannot be copied, or whose step runs on real tensors only, is traced itself under fake
+    tensors."""
+    try:
+        copy, meta_inputs = _on_meta(model, example_inputs)
+    except Exception:  # (a module deepcopy cannot copy: a lock, a handle)
+        copy = None
+    if copy is not None:
+        try:
+            return tracing.trace(copy, meta_inputs, _on_meta_loss(loss_fn), precision, reuse, routing, fp32_modules)
+        except PlannerError:
+            raise
+        except Exception:
+            if copy is model:  # (on meta already: the model's own error)
+                raise
+    return tracing.trace(model, example_inputs, loss_fn, precision, reuse, routing, fp32_modules)
+
+
+@checked
 def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None,
-                 precision: Precision | None = None) -> PlanMetrics:
+                 precision: Precision | str | None = None) -> PlanMetrics:
     """Collective counts and bytes of one step of ``plan`` on ``world_size`` ranks (None: nothing padded), at each
-    param's dtype or ``precision``'s, the plan checked against ``trace`` as ``simulate`` checks it."""
-    return metrics_of(trace, checked_on_trace(plan, trace), world_size, precision)
+    param's dtype or ``precision``'s (a ``Precision`` or its name), the plan checked against ``trace`` as
+    ``simulate`` checks it."""
+    if world_size is not None and not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise PlannerError(f"plan_metrics's world_size must be a number of ranks from 1 to {MAX_WORLD_SIZE:,}, not "
+                           f"{world_size}")
+    named = precision_named(precision) if isinstance(precision, str) else precision
+    return metrics_of(trace, _checked_plan(plan, trace), world_size, named)
+
+
+def _checked_plan(plan: Plan, trace: Trace) -> Plan:
+    """``plan`` checked as a plan file is (its values, which a plan edited in Python may have set to anything:
+    ``with_group(0, reshard_after_forward="no")`` failed in the replay), then against ``trace``."""
+    Plan.from_json(plan.to_json(), where="the plan")
+    return checked_on_trace(plan, trace)
 
 
 def _check_model(model: object, inputs: Any, loss_fn: object, policy: object, batch: object, seq: object,
-                 hf_config: object) -> None:
+                 hf_config: object, micro_batches: object) -> None:
     """A MODEL spec string alone, or an ``nn.Module`` with what it needs; one policy (this call returns one plan)."""
     if policy is None:  # (the command line's comparison of every policy)
         raise PlannerError("policy must be a policy's name (auto, titan, module, size or order): plan returns that "
@@ -183,18 +224,22 @@ def _check_model(model: object, inputs: Any, loss_fn: object, policy: object, ba
             raise PlannerError("a MODEL spec string brings its own inputs and loss_fn (its factory's): give inputs "
                                "and loss_fn with an nn.Module only")
     elif isinstance(model, nn.Module):
-        _check_module(model, inputs, batch, seq, hf_config)
+        _check_module(model, inputs, batch, seq, hf_config, micro_batches)
         if loss_fn is not None and not callable(loss_fn):
             raise PlannerError(f"loss_fn must be a function of the model's output, got {type(loss_fn).__name__}")
     else:
         raise PlannerError(f"model must be an nn.Module or a MODEL spec string, got {type(model).__name__}")
 
 
-def _check_module(model: nn.Module, inputs: Any, batch: object, seq: object, hf_config: object) -> None:
+def _check_module(model: nn.Module, inputs: Any, batch: object, seq: object, hf_config: object,
+                  micro_batches: object) -> None:
     """What an ``nn.Module`` needs: its inputs, trainable params; the workload is its inputs'."""
     if batch is not None or seq is not None:
         raise PlannerError("batch and seq reach a MODEL spec's factory; with an nn.Module the inputs are the "
-                           "workload: give inputs of one micro-batch instead")
+                           "workload: give inputs of one micro-batch instead (micro_batches=N: a step of N of them)")
+    if isinstance(micro_batches, str) and micro_batches.strip().lower() == SPLIT_AUTO:
+        raise PlannerError("micro_batches='auto' lets auto split a MODEL spec's batch, which it traces at each split; "
+                           "an nn.Module's inputs are one micro-batch: give micro_batches=N, a step of N of them")
     if hf_config is not None:
         raise PlannerError("hf_config sets fields of an hf: MODEL spec's config: build the nn.Module with them "
                            "instead")
@@ -253,8 +298,8 @@ def _step_of(lm: LoadedModel, spec: ModelSpec, options: SimOptions, note: Callab
     """``lm``'s step under the job's routing capacity, its loss and blocks as the job runs them (compiled, in
     chunks: ``as_the_job_runs``), its notes to ``note``."""
     loss, given = step_loss(lm, spec, note)
-    tr = trace(lm.model, lm.example_inputs, loss, precision=options.precision,
-               routing=spec.routing or DEFAULT_CAPACITY, fp32_modules=spec.fp32_modules)
+    tr = tracing.trace(lm.model, lm.example_inputs, loss, precision=options.precision,
+                       routing=spec.routing or DEFAULT_CAPACITY, fp32_modules=spec.fp32_modules)
     return as_the_job_runs(tr, lm, spec, given, options.precision, note)
 
 

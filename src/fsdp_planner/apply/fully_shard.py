@@ -3,8 +3,10 @@ group (lists allowed), children first, the root last, then the plan's forward me
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from fsdp_planner.apply.compile import apply_compile
@@ -97,6 +99,27 @@ def _check_modules(model: nn.Module, plan: Plan) -> None:
     check_int_reshard_on_dim0(plan)
 
 
+def _check_arguments(model: object, plan: object, mesh: object, mp_policy: object, offload_policy: object) -> None:
+    """Each argument of the type FSDP2 takes, a model once: an AttributeError from inside FSDP2 or torch's
+    AssertionError on a second ``fully_shard`` said no more than that (a trial of the API)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+
+    if isinstance(plan, str | Path):
+        raise PlannerError(f"apply_plan's plan must be a Plan, not a path: Plan.load({str(plan)[:100]!r}) reads it")
+    for what, value, kind, said in (("model", model, nn.Module, "an nn.Module"), ("plan", plan, Plan, "a Plan"),
+                                    ("mesh", mesh, DeviceMesh, "a DeviceMesh or None"),
+                                    ("mp_policy", mp_policy, MixedPrecisionPolicy, "a MixedPrecisionPolicy or None"),
+                                    ("offload_policy", offload_policy, OffloadPolicy, "an OffloadPolicy or None")):
+        if not isinstance(value, kind) and (what in ("model", "plan") or value is not None):
+            raise PlannerError(f"apply_plan's {what} must be {said}, not {type(value).__name__}")
+    assert isinstance(model, nn.Module)
+    if sharded := next((name or "the model" for name, m in model.named_modules() if isinstance(m, FSDPModule)),
+                       None):
+        raise PlannerError(f"apply_plan shards a model once: {printable_name(sharded)} is sharded already (build the "
+                           "model again to apply another plan)")
+
+
 def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = None,
                offload_policy: Any = None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it. Works on any world size; without ``mesh``, the
@@ -108,11 +131,16 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     was simulated with); the plan's CPU offload unless ``offload_policy`` is given (``plan_policies``)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
+    _check_arguments(model, plan, mesh, mp_policy, offload_policy)
     _check_modules(model, plan)
     if mesh is None:
         import torch.distributed as dist
 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
+        if device_type == "meta":  # built on meta, to be materialized after sharding (``to_empty``): the mesh is
+            # of the device it will be on (FSDP2 found no device module of "meta": a trial of the API)
+            accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            device_type = accelerator.type if accelerator is not None else "cpu"
         mesh = device_mesh(plan, device_type, dist.get_world_size())
     expert_parallel = plan.expert_parallel is not None  # the experts first, on meshes of their own (before TP)
     ep_plan, dp_world = plan, mesh.size() // plan.tp_degree  # (for experts sharded in their blocks' calls)

@@ -118,10 +118,13 @@ class Workload:
 
 
 def _tuples(obj: Any, names: tuple[str, ...]) -> None:
-    """Lists given to a frozen dataclass kept as tuples (a policy builds its groups as lists)."""
+    """Lists given to a frozen dataclass kept as tuples (a policy builds its groups as lists); one name given alone
+    is a tuple of it, not of its letters (``replace(activation_checkpointing="layers.3")``)."""
     for name in names:
         value = getattr(obj, name)
-        if not isinstance(value, tuple):
+        if isinstance(value, str):
+            object.__setattr__(obj, name, (value,))
+        elif not isinstance(value, tuple):
             object.__setattr__(obj, name, tuple(value))
 
 
@@ -244,6 +247,9 @@ class Plan:
 
     def with_group(self, i: int, **changes: Any) -> Plan:
         """This plan with group ``i`` replaced by a copy with ``changes`` (the other groups shared)."""
+        if isinstance(i, bool) or not isinstance(i, int) or not -len(self.groups) <= i < len(self.groups):
+            raise PlannerError(f"with_group's i must be a group's index, from 0 to {len(self.groups) - 1} (-1: the "
+                               f"root's), not {i!r}"[:300])
         groups = list(self.groups)
         groups[i] = replace(groups[i], **changes)
         return replace(self, groups=groups)
@@ -420,6 +426,9 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str, where: str = "plan") -> Plan:
+        if not isinstance(text, str | bytes):
+            raise PlannerError(f"Plan.from_json reads a plan's JSON text (a str), not {type(text).__name__}: "
+                               "json.dumps a dict first, or Plan.load a file")
         data = parse_json(text, lambda detail: f"{where} is not valid JSON: {detail}")
         return _plan_from_dict(data)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any, NamedTuple
 
+from fsdp_planner.arguments import checked
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.collectives import COLLECTIVES
@@ -806,6 +807,7 @@ def _shown(spec: str) -> str:
     return spec if len(spec) <= 40 else f"{spec[:30]}...({len(spec)} characters)"
 
 
+@checked
 def parse_cluster(spec: str) -> Cluster:
     """``h100:64`` (8 nodes of 8), ``h100:4`` (4 GPUs, one node), ``a100:16x8`` (16 nodes x 8), a JSON path.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_planner.arguments import check_fields, checked
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
@@ -39,9 +40,11 @@ class ModuleWrapPolicy:
     def __post_init__(self) -> None:
         if isinstance(self.module_classes, str):  # one class by name, not its letters
             self.module_classes = (self.module_classes,)
+        check_fields(self)
         if not all(isinstance(c, str) and c for c in self.module_classes):
             raise PlannerError(f"module_classes must be class names (strings), got {self.module_classes!r}"[:300])
 
+    @checked
     def plan(self, trace: Trace, model: str = "") -> Plan:
         """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
         return runnable(trace, self.build(trace, model))
@@ -67,6 +70,7 @@ class SizeBasedPolicy:
     exclude_wrap_classes: tuple[str, ...] = ("ModuleList", "ModuleDict")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if isinstance(self.min_nonwrapped_numel, bool) or self.min_nonwrapped_numel < 1:
             raise PlannerError(f"the size policy's threshold must be a positive number of elements, got "
                                f"{self.min_nonwrapped_numel}")
@@ -91,6 +95,7 @@ class SizeBasedPolicy:
         visit(ROOT, True)
         return list(wrapped)
 
+    @checked
     def plan(self, trace: Trace, model: str = "") -> Plan:
         """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
         return runnable(trace, self.build(trace, model))
@@ -115,6 +120,10 @@ class TorchtitanPolicy:
     block_class: str | None = None
     name: str = "titan"
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @checked
     def plan(self, trace: Trace, model: str = "") -> Plan:
         """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
         return runnable(trace, self.build(trace, model))

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from fsdp_planner.arguments import check_fields, checked
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fmt import fmt_bytes, parse_size
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.planners.blocks import block_instances
@@ -117,9 +118,13 @@ class ExecutionOrderPolicy:
     name: str = "order"
 
     def __post_init__(self) -> None:
+        if isinstance(self.target_bytes, str):  # "64MiB", as --target-bytes reads it
+            self.target_bytes = parse_size(self.target_bytes, "target_bytes")
+        check_fields(self)
         if self.target_bytes is not None and (isinstance(self.target_bytes, bool) or self.target_bytes < 1):
             raise PlannerError(f"the order policy's target group size must be at least 1 byte, got {self.target_bytes}")
 
+    @checked
     def plan(self, trace: Trace, model: str = "") -> Plan:
         """``build``'s plan, a group FSDP2 could not run joined to the next (``joined_until_runnable``); a
         PlannerError naming the op that would read a sharded param when no join makes it run."""

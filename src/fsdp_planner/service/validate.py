@@ -120,6 +120,8 @@ class Keywords:
     full_trace: object = False
     measure: object = False
     cpu_optimizer_rate: object = None  # the host's optimizer rate (command line: --cpu-optimizer-rate)
+    inputs_batch: bool = False  # the API's nn.Module: its example inputs are one micro-batch, so micro_batches N
+    # needs no batch to divide (the step runs N of them)
 
     @classmethod
     def of(cls, values: Any) -> Keywords:
@@ -315,7 +317,7 @@ def micro_batches(kw: Keywords, spell: Spelling, auto: bool = False) -> int:
     n = parse_count(given, spell.name_of("micro_batches")) if isinstance(given, str) else given
     n = whole(n, "micro_batches", spell, 1, MAX_BATCH)
     batch = workload_int(kw.batch, "batch", spell, MAX_BATCH)
-    if n > 1 and batch is None:
+    if n > 1 and batch is None and not kw.inputs_batch:
         raise PlannerError(f"{spell.given('micro_batches', n)} splits {spell.name_of('batch')}, the per-GPU "
                            f"batch of the step: give {spell.name_of('batch')}, a multiple of {n}")
     if n > 1 and batch is not None and batch % n:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from fsdp_planner.arguments import check_fields
 from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
@@ -146,6 +147,7 @@ class SimOptions:
     checkpoint_early_stop: bool = True
 
     def __post_init__(self) -> None:
+        check_fields(self, f": {type(self).__name__}.named(precision=..., optimizer=..., ...) takes their names")
         if self.mfu is not None and (isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float)
                                      or not 0 < self.mfu <= 1):
             raise PlannerError(f"the MFU must be in (0, 1], got {self.mfu!r}")

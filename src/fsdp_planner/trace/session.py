@@ -102,8 +102,10 @@ class TraceSession:
         self.buffers = list({id(b): b for m in model.walk.modules.values() for b in m._buffers.values()
                              if b is not None}.values())
         buffer_storages = {ref for b in self.buffers for ref in self._refs(b)}
-        batch = frozenset(StorageWeakRef(t.untyped_storage()) for t in tree_flatten((self.args, self.kwargs))[0]
-                          if isinstance(t, torch.Tensor))
+        # (a real batch is read through its fake copy too: its storage alone made the first op's save of it an
+        # activation, the real model's peak one input above its meta twin's, a trial of the API)
+        batch = frozenset(ref for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, torch.Tensor)
+                          for ref in self._refs(t))
         self.recorder = StepRecorder(set(self.param_by_storage) | buffer_storages, batch)
         self.finder = MethodFinder(model.walk.modules, model.params)
         self.recorder.check_methods = self.finder.check
@@ -129,7 +131,7 @@ class TraceSession:
         return FakeTensorMode(allow_non_fake_inputs=True)
 
     def _refs(self, t: torch.Tensor) -> list[StorageWeakRef]:
-        """The storages a param or buffer is read through: its own, and its fake copy's under a fake mode."""
+        """The storages a param, buffer or input is read through: its own, and its fake copy's under a fake mode."""
         refs = [StorageWeakRef(t.untyped_storage())]
         if self.fake_mode is not None:
             self.fakes.append(self.fake_mode.from_tensor(t))

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from fsdp_planner.arguments import check_fields, checked
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.choices import DEFAULT_SAC_POLICY, ExpertPlacement, SacPolicy, ShardPlacement
 from fsdp_planner.errors import PlannerError
@@ -228,6 +229,7 @@ class AutoPolicy:
                 self.target = Target(self.target)
             except ValueError:
                 raise PlannerError(f"unknown auto target '{self.target}': choose fsdp2 or fsdp1") from None
+        check_fields(self)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise PlannerError("the memory budget must be positive")
         if self.search_effort is not None and (isinstance(self.search_effort, bool) or self.search_effort < 0):
@@ -240,6 +242,7 @@ class AutoPolicy:
         if self.mesh is not None and self.mesh.replicate > 1 and self.target is Target.FSDP1:
             raise PlannerError("the fsdp1 target plans pure FSDP: FSDP1's HYBRID_SHARD is not modelled")
 
+    @checked
     def plan(self, trace: Trace, model: str = "") -> Plan:
         result = self.search(trace, model)
         if not result.fits:
@@ -758,6 +761,7 @@ class PeakTerm(Enum):
     LOSS = "logits and loss outside the model"
     ACTIVATIONS = "activations"
     SHARDED = "sharded state (params, grads, optimizer)"
+    BUFFERS = "buffers (whole on every rank)"
     OPTIMIZER_STEP = "optimizer step's temporaries"
     UNSHARDED_PARAMS = "unsharded params"
     UNSHARDED_GRADS = "unsharded grads"
@@ -766,7 +770,7 @@ class PeakTerm(Enum):
 
 
 # the memory model's categories, summed into the terms a user can act on
-_CATEGORIES = {PeakTerm.SHARDED: ("params", "grads", "optimizer_state", "buffers"),
+_CATEGORIES = {PeakTerm.SHARDED: ("params", "grads", "optimizer_state"), PeakTerm.BUFFERS: ("buffers",),
                PeakTerm.UNSHARDED_PARAMS: ("unsharded_params", "all_gather_buffers"),
                PeakTerm.UNSHARDED_GRADS: ("unsharded_grads", "reduce_scatter_buffers", "gradient_buckets"),
                PeakTerm.COPIES: ("compute_copies",), PeakTerm.ACTIVATIONS: ("activations",),
@@ -776,6 +780,7 @@ _WAY_OUT = {
                    "(or --loss-chunks 8: the output layer and the loss in chunks, as torchtitan's ChunkedLossWrapper)",
     PeakTerm.ACTIVATIONS: "they grow with batch x seq and FSDP does not shard them: use a smaller --batch or --seq",
     PeakTerm.SHARDED: "it shrinks with the number of ranks sharding it: use more GPUs",
+    PeakTerm.BUFFERS: "FSDP2 shards no buffer, so no plan and no GPU count shrinks them",
 }
 
 
