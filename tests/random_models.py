@@ -10,6 +10,7 @@ one seed, so the same seed builds the same model under meta tensors (to trace) a
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -200,12 +201,24 @@ class FreedRead(TorchDispatchMode):
 def train_on_fake_ranks(seed: int, plan: Plan, world_size: int = 8, steps: int = 2) -> str | None:
     """Apply ``plan`` to the model of ``seed`` with real ``fully_shard`` on ``world_size`` fake ranks and train
     ``steps`` steps (forward, loss, backward, AdamW); None when they ran, else what went wrong."""
+    return _trained(lambda: build(seed)[:2], plan, world_size, steps)
+
+
+def apply_on_fake_ranks(spec: str, plan: Plan, world_size: int = 2, steps: int = 2) -> str | None:
+    """``train_on_fake_ranks`` for the model of a factory spec (``file.py:fn`` returning (model, (x,)))."""
+    from fsdp_planner.models import resolve_factory
+
+    return _trained(lambda: resolve_factory(spec)()[:2], plan, world_size, steps)
+
+
+def _trained(make: Callable[[], tuple[nn.Module, tuple[torch.Tensor]]], plan: Plan, world_size: int,
+             steps: int) -> str | None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = device_mesh(plan, "cpu", world_size)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
-            model, (x,), _ = build(seed)
+            model, (x,) = make()
         # fully_shard outside the fake mode: the mesh of an int reshard_after_forward's sub-groups is built from a
         # tensor, whose .tolist() a fake tensor cannot answer (the model's fake params still dispatch to their mode)
         apply_plan(model, plan, mesh=mesh)

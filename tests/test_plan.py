@@ -191,6 +191,29 @@ def test_groups_nested_in_each_other_are_refused(case):
         make_plan(tr, groups)
 
 
+def test_a_shared_module_listed_below_another_by_a_second_path_is_claimed_once():
+    """``fully_shard([proj, blocks.1])``: FSDP2 hooks ``blocks.1`` alone (``proj`` is below it, as
+    ``blocks.1.proj``) and gives ``proj`` no state, so ``blocks.0``'s call later reaches it and shards its params
+    again (real FSDP2 fails). The claim rule now says so, and make_plan gives ``proj`` a group of its own, which
+    trains (a trial's order plan listed ``blocks.0.shared`` beside ``blocks.2`` and failed the ranks)."""
+    from random_models import apply_on_fake_ranks
+
+    from fsdp_planner.fsdp2.claim import SplitParamError, claimed_params
+    from fsdp_planner.fsdp2.plan import Group
+
+    spec = f"{Path(__file__).parent / 'fixtures' / 'factories.py'}:shared_submodule"
+    lm = load_model(spec, meta=True)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
+    listed = Plan((Group(("proj", "blocks.1")), Group(("blocks.0",)), Group(("blocks.2",)), Group(("",))), "", 0)
+    with pytest.raises(SplitParamError, match=r"'proj\.weight' is reachable from groups"):
+        claimed_params(listed, tr)
+    failure = apply_on_fake_ranks(spec, listed)
+    assert failure is not None and "Invariant encountered: value was None" in failure, failure
+    plan = make_plan(tr, [["proj", "blocks.1"], ["blocks.0"], ["blocks.2"]])
+    assert ("proj",) in [g.modules for g in plan.groups] and ("blocks.1",) in [g.modules for g in plan.groups]
+    assert apply_on_fake_ranks(spec, plan) is None
+
+
 def test_containers_without_forward_become_their_children_and_plan_files_naming_them_are_refused():
     """fully_shard(ModuleList) raises: a policy's group on one lists its children instead (same params)."""
     tr = traced("toy-llama")

@@ -58,6 +58,28 @@ def test_a_param_reused_after_its_group_resharded_is_found_and_auto_avoids_it() 
     assert any(not c.runs for c in result.search.ev.seen)  # it saw plans that would fail, and ranked none
 
 
+def test_a_param_passed_to_a_call_is_read_by_its_caller() -> None:
+    """``self.borrower(h, self.mix.weight)``: the parent reads the weight before ``borrower``'s hooks unshard its
+    group, so a group [mix, borrower] fails on the ranks (real FSDP2 on fake ranks says so); check passed it, and
+    the order policy wrote it. Refused naming the pass; the weight in the caller's group runs."""
+    from random_models import apply_on_fake_ranks
+
+    spec = f"{FIXTURES}:passing"
+    tr = traced(spec)
+    assert [(tr.events[i].module, [tr.params[p].fqn for p in tr.events[i].passed])
+            for i in range(len(tr.events)) if tr.events[i].passed] == [("borrower", ["mix.weight"])]
+    wrong = make_plan(tr, [["inp"], ["mix", "borrower"], ["out"]])
+    with pytest.raises(PlannerError, match=r"this plan cannot run: '\(root\)' passes param 'mix\.weight' to "
+                                           r"'borrower' \(trace event \d+\) while its group 1 \('mix', 'borrower'\)"):
+        check_plan_runs(tr, wrong)
+    right = make_plan(tr, [["inp"], ["borrower"], ["out"]])  # mix.weight left to the root, gathered all forward
+    check_plan_runs(tr, right)
+    assert "mixed torch.Tensor and DTensor" in apply_on_fake_ranks(spec, wrong)
+    assert apply_on_fake_ranks(spec, right) is None
+    order = make_policy(PolicyRequest.named("order")).plan(tr)
+    assert not reads(tr, order) and apply_on_fake_ranks(spec, order) is None
+
+
 @pytest.mark.parametrize("model", [m for m in BUILTINS if m not in ("llama3-70b", "llama3-405b", "llama32-1b")])
 def test_every_classic_plan_of_the_built_ins_runs(model: str) -> None:
     tr = traced(model)

@@ -78,7 +78,9 @@ def check_value(value: Any, hint: Any, what: str) -> Any:
                 choices = ", ".join(repr(m.value) for m in enum)
                 raise PlannerError(f"{what} must be one of {choices} (or {enum.__name__}), not {value!r}"[:400]) \
                     from None
-    raise PlannerError(f"{what} must be {describe(hint)}, not {_kind(value)}")
+    item = _first_stray(value, hint)
+    held = f" holding {_kind(item[0])}" if item else ""
+    raise PlannerError(f"{what} must be {describe(hint)}, not {_kind(value)}{held}"[:400])
 
 
 def describe(hint: Any) -> str:
@@ -164,6 +166,15 @@ def _matches_generic(value: Any, origin: Any, args: tuple[Any, ...]) -> bool:
     if len(items) != 1 or not isinstance(value, collections.abc.Sequence) or len(value) > MAX_ITEMS:
         return True
     return all(_matches(v, items[0]) for v in value)
+
+
+def _first_stray(value: Any, hint: Any) -> tuple[Any] | None:
+    """(the first item of ``value``, a container of ``hint``'s kind, that is not of its item type,) or None."""
+    origin, args = typing.get_origin(hint), [a for a in typing.get_args(hint) if a is not Ellipsis]
+    if origin is None or not isinstance(origin, type) or len(args) != 1 or isinstance(value, str) or \
+            not isinstance(value, collections.abc.Sequence):
+        return None
+    return next(((v,) for v in value[:MAX_ITEMS] if not _matches(v, args[0])), None)
 
 
 def _enums(hint: Any) -> list[type[Enum]]:

@@ -125,7 +125,11 @@ def claimed_params(plan: Plan, trace: Trace) -> list[list[str]]:
     claimed_by: dict[str, int] = {}
     result: list[list[str]] = [[] for _ in plan.groups]
     for gi in application_order(plan, trace.index.parents):
-        listed = set(plan.groups[gi].modules)
+        # FSDP2's DFS starts at the listed modules no other listed one holds (``hooked_in``), and only those get an
+        # FSDP state that stops a later call's DFS: a module listed below another by a second path (a shared
+        # submodule, ``blocks.0.shared`` is ``blocks.2.shared``) gets none, so a later group reaching it by a third
+        # path claims its params again (FSDP2 then fails on an already sharded param: a trial's order plan)
+        listed = set(hooked_in(trace, plan.groups[gi].modules))
         mine: dict[str, None] = {}
         visited: set[str] = set()
         for m in plan.groups[gi].modules:
@@ -428,6 +432,10 @@ def resolve_shared_modules(trace: Trace, module_groups: list[list[str]]) -> int:
     added = 0
     for m in trace.index.shared_modules:
         group_of = {x: i for i, ms in enumerate(module_groups) for x in ms}
+        if m in group_of and dag_ancestors(m, parents) & set(module_groups[group_of[m]]):
+            # listed beside a module holding it by another path: FSDP2 hooks it not (``hooked_modules``), so it is
+            # as good as unlisted (an order plan listed ``blocks.0.shared`` beside ``blocks.2``, the ranks failed)
+            module_groups[group_of.pop(m)].remove(m)
         if m not in group_of and len({claiming_group(p, group_of, parents) for p in parents[m]}) > 1:
             module_groups.append([m])
             added += 1

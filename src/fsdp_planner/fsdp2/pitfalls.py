@@ -400,12 +400,16 @@ def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
         used = any(not trace.modules[x].unused for x in g.modules)
         for m in (m for m in g.modules if used and trace.modules[m].unused
                   and not any(trace.param(p).is_shared for p in subtree[m])):
+            # (its params may be read all the same, by a module they are passed to: then they need a group that is
+            # gathered when they are read, not one of their own)
+            read = any(trace.index.param_uses[trace.index.param_index[p]] for p in subtree[m])
             out.append(Finding(Severity.WARNING, Code.LIST_GROUP_UNUSED,
-                               f"{_path(m)} is never used in the step, inside list group {i} "
+                               f"{_path(m)} is never called in the step, inside list group {i} "
                                f"({fmt_modules(g.modules)}): the root's post-forward completes the group's forward "
                                "and hooks its pre-backward on each of the root's outputs, and an output whose grad "
                                "arrives after the group's post-backward gathers it again, which the prediction "
                                "does not replay (an all-gather more a step on a new user's model)",
+                               f"leave {_path(m)}'s params to the root's group (other modules read them)" if read else
                                f"shard {_path(m)} in a group of its own (fully_shard({_name(m)})), never gathered",
                                m))
         for m in g.modules:

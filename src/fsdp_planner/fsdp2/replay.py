@@ -107,6 +107,10 @@ class Schedule:
     # each call's first module, the root first; a call's param groups the last first)
     final_order: tuple[int, ...] = ()
     chunked: ChunkedGrads | None = None  # a chunked loss's output layer
+    # some group's post-backward ran before autograd finished every grad of its params (a module called again,
+    # whose grads come after its last call's backward): after micro-batches that accumulated grads without syncing,
+    # that post-backward reduces the accumulated grads on its own (``build_schedule(accumulated=True)``)
+    early_post_backward: bool = False
 
 
 @dataclass
@@ -125,6 +129,7 @@ class _Shared:
     # it as its recomputation ends (``Replay._recompute``)
     root_done: bool = False
     reshard_after_backward: bool = True  # FSDPParamGroup.reshard_after_backward (``set_reshard_after_backward``)
+    accumulated: bool = False  # the groups' grads hold earlier micro-batches' (``set_requires_gradient_sync(False)``)
 
     def free_output(self, collective: int, end: int) -> None:
         self.schedule.collectives[collective] = self.schedule.collectives[collective].freed_at(end)
@@ -183,6 +188,8 @@ class GroupReplay:
         self._members: list[GroupReplay] | None = None  # a state's param groups where it has several
         self._state: GroupReplay | None = None  # the group whose hooks drive this one, where another's
         self.kept_after_backward = False  # its own set_reshard_after_backward(False): a chunked loss's output layer
+        self.accumulated = shared.accumulated  # grads of earlier micro-batches not reduced yet (FSDPParam's
+        # unsharded_accumulated_grad, or its grad where no reduce dtype upcasts it)
         self.chunked: frozenset[int] = frozenset()  # the output layer's params while a chunked loss's chunks run
 
     @property
@@ -383,7 +390,15 @@ class GroupReplay:
         reduced, ready_at = self.shared.reduced, self.grad_ready_at
         # the output layer's params after a chunked loss's last chunk: their grads whole so far, reduced then and
         # again where the model's backward reads one again (a tied embedding's weight)
-        ready = tuple(p for p in self.grad_params if p not in reduced and (ready_at[p] <= at or p in self.chunked))
+        unreduced = [p for p in self.grad_params if p not in reduced]
+        ready = tuple(p for p in unreduced if ready_at[p] <= at or p in self.chunked)
+        if len(ready) < len(unreduced):
+            self.shared.schedule.early_post_backward = True
+        if self.accumulated:  # FSDP2 reduces every param holding an earlier micro-batch's grad at the first
+            # post-backward, this one's ready grads added in; one not ready yet is reduced again when it is (a reused
+            # block: 4 reduce-scatters a step for 3 measured, a trial's model with 2 micro-batches)
+            self.accumulated = False
+            ready = tuple(unreduced)
         if ready:
             reduced.update(p for p in ready if ready_at[p] <= at)
             self.shared.schedule.collectives.append(
@@ -434,10 +449,12 @@ class Replay:
     """Drives the groups' hooks over the trace's boundary events, as autograd and ``nn.Module`` would."""
 
     def __init__(self, trace: Trace, plan: Plan, world_size: int | None = None,
-                 group_params: Sequence[Sequence[int]] | None = None, kept: Kept = Kept.NONE) -> None:
+                 group_params: Sequence[Sequence[int]] | None = None, kept: Kept = Kept.NONE,
+                 accumulated: bool = False) -> None:
         self.trace, self.plan = trace, plan
         index = trace.index
-        self.shared = _Shared(Schedule(num_events=len(trace.events)), reshard_after_backward=not kept.after)
+        self.shared = _Shared(Schedule(num_events=len(trace.events)), reshard_after_backward=not kept.after,
+                              accumulated=accumulated)
         if group_params is None:
             group_params = [[index.param_index[p] for p in g.params] for g in plan.groups]
         reducible = index.reducible
@@ -675,11 +692,14 @@ class Replay:
 
 
 def build_schedule(trace: Trace, plan: Plan, world_size: int | None = None,
-                   group_params: Sequence[Sequence[int]] | None = None, kept: Kept = Kept.NONE) -> Schedule:
+                   group_params: Sequence[Sequence[int]] | None = None, kept: Kept = Kept.NONE,
+                   accumulated: bool = False) -> Schedule:
     """Replay FSDP2 over ``trace`` with ``plan``'s groups (``group_params``: their params' indices, if known) on
     ``world_size`` ranks laid out as the plan's mesh says (None: any world, ``reshard_after_forward`` ints as
-    given); ``kept``: a micro-batch under ``set_reshard_after_backward(False)``."""
-    return Replay(trace, plan, world_size, group_params, kept).run()
+    given); ``kept``: a micro-batch under ``set_reshard_after_backward(False)``; ``accumulated``: the micro-batch
+    that syncs after others accumulated grads without syncing (it differs only where a schedule without it has an
+    ``early_post_backward``)."""
+    return Replay(trace, plan, world_size, group_params, kept, accumulated).run()
 
 
 def state_hook_calls(trace: Trace, plan: Plan) -> list[int]:

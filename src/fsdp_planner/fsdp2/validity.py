@@ -41,11 +41,17 @@ class ShardedRead:
     group: int
     module: str
     backward: bool
+    passed_to: str | None = None  # the read is the caller's, passing the param to this module call's forward
 
     def describe(self, plan: Plan) -> str:
         g = plan.groups[self.group]
         phase = "backward" if self.backward else "forward"
         listed = ", ".join(f"'{m}'" for m in g.modules[:3]) + (" ..." if len(g.modules) > 3 else "")
+        if self.passed_to is not None:
+            return (f"'{self.module or '(root)'}' passes param '{self.param}' to '{self.passed_to}' (trace event "
+                    f"{self.event + 1}) while its group {self.group} ({listed}) is sharded: the caller reads the "
+                    f"param before the call's hooks run, so the group must be unsharded by then; put the param in "
+                    f"the caller's group (or an enclosing one), or let '{self.passed_to}' read it itself")
         return (f"an op of '{self.module or '(root)'}' in {phase} (trace event {self.event}) reads param "
                 f"'{self.param}' while its group {self.group} ({listed}) is sharded: FSDP2 unshards a group only "
                 f"in the forward/backward hooks of the modules it lists, and this call runs outside them (a parent "
@@ -62,10 +68,17 @@ def sharded_reads(trace: Trace, plan: Plan, schedule: Schedule,
     group_of = np.full(len(trace.params), -1, dtype=np.int64)
     for gi, params in enumerate(group_params):
         group_of[np.asarray(params, dtype=np.int64)] = gi
-    ops, params = trace.index.use_arrays
+    read_ops, read_params = trace.index.use_arrays
+    passed_at, passed_params = trace.index.passed_arrays
+    keep = passed_at > 0  # a param given to a call is read by its caller, before the call's own hooks: just before
+    # its FWD_PRE, where the caller's groups are unsharded and the call's are not yet
+    ops = np.concatenate([read_ops, passed_at[keep] - 1])
+    params = np.concatenate([read_params, passed_params[keep]])
+    n_reads = len(read_ops)
     groups = group_of[params]
     managed = groups >= 0
-    ops, params, groups = ops[managed], params[managed], groups[managed]
+    passed = np.arange(len(ops)) >= n_reads
+    ops, params, groups, passed = ops[managed], params[managed], groups[managed], passed[managed]
     spans = sorted((r.group * n + r.start, r.group * n + r.end) for r in schedule.residency
                    if r.divisor == 1 and r.end > r.start)
     # One key space for every group (group * n + op): a read is covered when the nearest span starting at or
@@ -78,8 +91,16 @@ def sharded_reads(trace: Trace, plan: Plan, schedule: Schedule,
     bad = np.flatnonzero(~inside)
     bad = bad[np.argsort(ops[bad], kind="stable")][:limit]
     events = trace.events
-    return [ShardedRead(int(ops[i]), trace.params[int(params[i])].fqn, int(groups[i]), events[int(ops[i])].module,
-                        events[int(ops[i])].backward) for i in bad]
+    out = []
+    for i in bad.tolist():
+        at, param = int(ops[i]), trace.params[int(params[i])].fqn
+        if passed[i]:
+            callee = events[at + 1].module
+            out.append(ShardedRead(at, param, int(groups[i]), callee.rpartition(".")[0] if callee else "", False,
+                                   callee))
+        else:
+            out.append(ShardedRead(at, param, int(groups[i]), events[at].module, events[at].backward))
+    return out
 
 
 def runnable(trace: Trace, plan: Plan) -> Plan:

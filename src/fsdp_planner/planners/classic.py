@@ -40,9 +40,10 @@ class ModuleWrapPolicy:
     def __post_init__(self) -> None:
         if isinstance(self.module_classes, str):  # one class by name, not its letters
             self.module_classes = (self.module_classes,)
-        check_fields(self)
-        if not all(isinstance(c, str) and c for c in self.module_classes):
+        if isinstance(self.module_classes, tuple | list) and not all(isinstance(c, str) and c
+                                                                     for c in self.module_classes):
             raise PlannerError(f"module_classes must be class names (strings), got {self.module_classes!r}"[:300])
+        check_fields(self)
 
     @checked
     def plan(self, trace: Trace, model: str = "") -> Plan:

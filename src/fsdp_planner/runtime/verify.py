@@ -247,11 +247,12 @@ def micro_batch_all_gathers(trace: Trace, plan: Plan, world_size: int, micro_bat
 
 
 def predict_collectives(trace: Trace, plan: Plan, world_size: int, precision: Precision | None = None,
-                        kept: Kept = Kept.NONE) -> tuple[Counts, Counts]:
+                        kept: Kept = Kept.NONE, accumulated: bool = False) -> tuple[Counts, Counts]:
     """Per-step all-gather / reduce-scatter (HSDP: all-reduce) counts, and their bytes as FSDP2 sends them (padded;
     in ``precision``'s dtypes, the params' own without one); ``kept``: of a micro-batch under
-    ``set_reshard_after_backward(False)``. FSDP2 issues no all-gather or reduce-scatter over a shard group of one
-    rank (with EP, the experts' groups are over shard / EP ranks)."""
+    ``set_reshard_after_backward(False)``; ``accumulated``: of the micro-batch syncing what others accumulated.
+    FSDP2 issues no all-gather or reduce-scatter over a shard group of one rank (with EP, the experts' groups are
+    over shard / EP ranks)."""
     shard = plan.shard_size(world_size)
     # the plan's shard dims (no padding off dim 0) and reduce dtype (what the worker applies: apply_plan)
     reduce = ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None
@@ -265,7 +266,7 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int, precision: Pr
     ranks = param_shards(trace, shard)  # an EP view's experts: over shard / EP ranks
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
     nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
-    for c in build_schedule(trace, plan, world_size, kept=kept).collectives:
+    for c in build_schedule(trace, plan, world_size, kept=kept, accumulated=accumulated).collectives:
         params = group_params[c.group] if c.kind is CollectiveKind.ALL_GATHER else c.params
         if c.kind is not CollectiveKind.ALL_REDUCE and max((ranks[i] for i in params), default=shard) == 1:
             continue
@@ -571,6 +572,11 @@ def predict_job(job: VerifyJob, trace: Trace) -> tuple[Counts, Counts]:
         if job.train.gradient_sync is GradientSync.EVERY:
             predicted = {k: v * micro for k, v in predicted.items()}
             predicted_bytes = {k: v * micro for k, v in predicted_bytes.items()}
+        else:  # the last micro-batch syncs what the others accumulated (``build_schedule(accumulated=True)``)
+            kept = Kept.NONE if job.train.reshard_after_backward else Kept.LAST
+            last, last_bytes = predict_collectives(trace, plan, nproc, trained, kept, accumulated=True)
+            for kind in (CollectiveKind.REDUCE_SCATTER.value, CollectiveKind.ALL_REDUCE.value):
+                predicted[kind], predicted_bytes[kind] = last[kind], last_bytes[kind]
         ag = CollectiveKind.ALL_GATHER.value
         predicted[ag], predicted_bytes[ag] = micro_batch_all_gathers(trace, plan, nproc, micro,
                                                                      job.train.reshard_after_backward, trained)

@@ -148,6 +148,9 @@ class Event(NamedTuple):
     syncs: bool = False  # op: the host reads its output (the size nonzero or a boolean index makes, ``.item()``, a
     # copy to the CPU: what the routing stand-in answers, ``routing.py``), so on a GPU it waits for the op to finish
     # before launching more: the host's lead is gone there (``sim/streams.py``)
+    passed: tuple[int, ...] = ()  # FWD_PRE: params given to the call as arguments (``self.borrower(h,
+    # self.mix.weight)``): the caller read them before the call's hooks ran, so FSDP2 must have their groups
+    # unsharded then (``fsdp2/validity.py``)
 
     @property
     def is_op(self) -> bool:

@@ -53,8 +53,9 @@ class ModuleHooks:
     installed: the forward methods wrapped for FSDP2 (``methods.forward_methods``) call them, and must be wrapped
     before the hooks go on (see ``session.TraceSession``)."""
 
-    def __init__(self, walk: ModuleWalk, slot: Slot) -> None:
+    def __init__(self, walk: ModuleWalk, slot: Slot, param_by_id: dict[int, int]) -> None:
         self.slot = slot
+        self.param_by_id = param_by_id  # id of a param object -> its index: the params a call is given
         self.modules = list(walk.modules.values())
         self.name = {m: n for n, m in walk.modules.items()}  # a module registered twice keeps its first name
         self.holders = _holders(walk)
@@ -93,7 +94,9 @@ class ModuleHooks:
         else:
             inputs = collect_grad_tensors((args, kwargs))
         first = next((a for a in leaves if isinstance(a, torch.Tensor)), None)
-        call = recorder.enter_forward(fqn, bool(inputs), held, kept, made, -1 if first is None else first.dim())
+        passed = tuple(sorted({self.param_by_id[id(a)] for a in leaves if id(a) in self.param_by_id}))
+        call = recorder.enter_forward(fqn, bool(inputs), held, kept, made, -1 if first is None else first.dim(),
+                                      passed)
         self.sized.append([] if flat else [(c, len(c)) for c in containers((args, tuple(kwargs.values())))])
         if not inputs:
             self.watched.append(None)

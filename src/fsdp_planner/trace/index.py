@@ -132,6 +132,13 @@ class TraceIndex:
         return ops, params
 
     @cached_property
+    def passed_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every param given to a module call as an argument (``Event.passed``), as two flat arrays: the position
+        of the call's FWD_PRE, and the param: the caller read it before the call's hooks ran."""
+        pairs = [(i, p) for i, e in enumerate(self._events) if e.passed for p in e.passed]
+        return (np.array([i for i, _ in pairs], dtype=np.int64), np.array([p for _, p in pairs], dtype=np.int64))
+
+    @cached_property
     def ops_through(self) -> np.ndarray:
         """ops_through[i]: how many of events 0..i are ops (boundaries launch nothing), for i up to len(events)."""
         is_op = np.fromiter((e.is_op for e in self._events), dtype=np.int64, count=len(self._events))

@@ -183,13 +183,14 @@ class ActionLog(StepRecorder):
         (self.template.backward if self.backward else self.template.forward).append(action)
 
     def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0, kept_inputs: int = 0,
-                      made_at: tuple = (), input_dims: int = -1) -> int:
+                      made_at: tuple = (), input_dims: int = -1, passed: tuple[int, ...] = ()) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
+        slots = self._slots(passed)
         # (the inputs its checkpoint keeps: storages, turned into sources a replay finds, ``_classify_saves``; and
         # its ``Event.made_at``, every kept input of the call's own among them: the step's batch is none, ``replay``)
         self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes, kept_inputs, tuple(self.kept_next),
-                   made_at, input_dims))
+                   made_at, input_dims, () if slots is None else slots))
         self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
         self.opened()
         if grad_inputs:
@@ -253,19 +254,27 @@ class ActionLog(StepRecorder):
     def outside_modules(self) -> bool:
         return False  # a template is one module call: nothing in it is outside the model
 
-    def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0,
-           workspace: int = 0, syncs: bool = False) -> None:
+    def _slots(self, params: tuple[int, ...]) -> tuple[int, ...] | None:
+        """``params`` as the template's slots (each param's first read or pass gives it the next); None, and the
+        template not reusable, where one is outside the subtree."""
         slots = []
         for p in params:
             if p not in self.param_name:
                 self.template.reusable = False  # reads a param outside the subtree
-                return
+                return None
             if p not in self.slots:
                 self.slots[p] = len(self.template.params)
                 self.template.params.append(self.param_name[p])
             slots.append(self.slots[p])
-        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, syncs, live, workspace, grad_live,
+        return tuple(slots)
+
+    def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0,
+           workspace: int = 0, syncs: bool = False) -> None:
+        slots = self._slots(params)
+        if slots is None:
+            return
+        self._log(("op", slots, flops, nbytes, op_class, out_nbytes, kernel, syncs, live, workspace, grad_live,
                    ()))
         if not self.backward:
             self.frame.op_done()
@@ -871,7 +880,8 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             batch = sum(n for m, n in action[6] if m[0] == "input" and sources[m] in main.step_inputs)
             main.kept_next = {ref: n for ref, n in kept.items() if ref not in main.step_inputs}
             main.enter_forward(prefix + action[1], action[2], action[3], action[4] - batch,
-                               _made(main, action[6], sources, positions), action[7])
+                               _made(main, action[6], sources, positions), action[7],
+                               tuple(params[i] for i in action[8]))
         elif kind == "fwd_post":
             main.exit_forward(prefix + action[1], replayed=action[2:4])
         elif kind == "bwd_pre":

@@ -115,7 +115,7 @@ class TraceSession:
         self.stand_in = StandIn(request.routing)
         router = router_shapes((name, p.shape) for p in model.params for name in (p.fqn, *p.aliases))
         self.ops = OpRecorder(self.slot, self.param_by_id, self.param_by_storage, sync, self.stand_in, router)
-        self.hooks = ModuleHooks(model.walk, self.slot)
+        self.hooks = ModuleHooks(model.walk, self.slot, self.param_by_id)
         self.own = OwnCheckpoints(self.slot)
         self.cast: list[str] = []  # the modules whose inputs the group casts changed (``input_casts.py``)
 

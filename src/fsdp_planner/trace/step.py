@@ -442,7 +442,7 @@ class StepRecorder:
             self.own_bases.pop()
 
     def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0, kept_inputs: int = 0,
-                      made_at: tuple = (), input_dims: int = -1) -> int:
+                      made_at: tuple = (), input_dims: int = -1, passed: tuple[int, ...] = ()) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
         self.input_dims.setdefault(fqn, input_dims)
@@ -450,7 +450,8 @@ class StepRecorder:
             # outermost in the outermost region: what its checkpoint holds
             self.own_calls.append(OwnCall(fqn, call, self.own_bases[0][1], self.own_regions - 1))
         self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
-                                 inputs_nbytes=inputs_nbytes, kept_inputs=kept_inputs, made_at=made_at))
+                                 inputs_nbytes=inputs_nbytes, kept_inputs=kept_inputs, made_at=made_at,
+                                 passed=passed))
         self.fwd_stack.append(fqn)
         self.opened()
         if grad_inputs:
