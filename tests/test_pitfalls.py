@@ -48,6 +48,19 @@ def test_a_clean_model_and_plan_have_no_findings():
     assert model_findings(tr, BF16_MIXED) == [] and plan_findings(tr, plan) == []
 
 
+def test_a_step_branching_on_its_data_is_a_warning_and_its_other_branch_no_dead_code():
+    """``self.pos(h) if h.sum() > 0 else self.neg(h)``: the trace took one branch (the stand-in's answer), and a
+    rank whose data takes the other calls other modules and collectives (gloo aborted on a trial's model); check
+    said nothing of it, and advised removing the branch it did not take as unused params."""
+    tr = traced("tests/fixtures/invalid_models.py:data_dependent")
+    findings = {f.code: f for f in model_findings(tr, BF16_MIXED)}
+    branch = findings[Code.DATA_DEPENDENT_STEP]
+    assert branch.severity is Severity.WARNING and branch.module == "" and "reads tensor values on the host" in \
+        branch.message
+    assert "or a branch of a data-dependent if the trace did not take" in findings[Code.UNUSED_PARAMS].message
+    assert not traced("toy-llama").host_reads  # (reads no value: no warning)
+
+
 def test_sharded_read_names_the_module_and_the_fix():
     tr = traced("tests/fixtures/invalid_models.py:direct_call")
     [f] = plan_findings(tr, make_plan(tr, [["layer"], ["linear"]]))

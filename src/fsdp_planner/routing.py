@@ -310,6 +310,13 @@ class StandIn:
             return 0
         return self.per_expert
 
+    def host_reads(self) -> tuple[str, ...]:
+        """The modules where a model without routing read a value on the host (``.item()``, ``bool()``), sorted:
+        a branch or a loop count on the data, which the stand-in answered one way (no experts: no routing)."""
+        if self.experts is not None:
+            return ()
+        return tuple(sorted({m for op, m in self.used if op.startswith("aten._local_scalar_dense")}))
+
     def note(self) -> str | None:
         """One line naming what stood in, where; None when nothing did."""
         if not self.used:

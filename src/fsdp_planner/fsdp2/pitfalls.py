@@ -58,6 +58,7 @@ class Code(Enum):
     RESHARD_AFTER_FORWARD = "reshard-after-forward"
     FSDP1_MIXED_UNIT = "fsdp1-mixed-unit"
     UNUSED_PARAMS = "unused-params"
+    DATA_DEPENDENT_STEP = "data-dependent-step"  # the forward reads tensor values on the host: ranks may diverge
     ROUTING_SKIPS = "routing-skips"  # params whose gradient depends on the routing (an expert skipped without tokens)
     ROOT_PARAMS = "root-params"
     UPCAST_REDUCE = "upcast-reduce"
@@ -130,11 +131,24 @@ def model_findings(trace: Trace, precision: Precision | None = None) -> list[Fin
                            SCALAR_FIX, owner))
     uses = trace.index.param_uses
     unused = [p for i, p in enumerate(trace.params) if p.requires_grad and not uses[i]]
+    branch = " (or a branch of a data-dependent if the trace did not take: see data-dependent-step)" \
+        if trace.host_reads else ""
     for owner, ps in _by_owner(unused).items():
         out.append(Finding(Severity.WARNING, Code.UNUSED_PARAMS,
                            f"{short_list(p.fqn for p in ps)} ({fmt_bytes(sum(p.nbytes for p in ps))}) never read in "
-                           f"the step: FSDP2 still all-gathers them with their group and keeps their optimizer state",
-                           "remove them, freeze them (requires_grad_(False)), or check why the step skips them", owner))
+                           f"the step{branch}: FSDP2 still all-gathers them with their group and keeps their optimizer "
+                           "state", "remove them, freeze them (requires_grad_(False)), or check why the step skips "
+                           "them", owner))
+    if trace.host_reads:
+        where = ", ".join(_path(m) for m in trace.host_reads[:3]) + \
+            (f" and {len(trace.host_reads) - 3} more" if len(trace.host_reads) > 3 else "")
+        out.append(Finding(Severity.WARNING, Code.DATA_DEPENDENT_STEP,
+                           f"the forward of {where} reads tensor values on the host (.item(), bool(), int(): an if "
+                           "or a loop count on the data): the trace took one path (a mask's every element true, a "
+                           "float 0.0), and a rank whose data takes another calls other modules and issues other "
+                           "collectives than its peers, which fails or hangs FSDP2",
+                           "make the step's modules and loop counts the same on every rank (torch.where instead of "
+                           "an if, a fixed count)", trace.host_reads[0]))
     if precision is not None:
         out += _dtype_warnings(trace, precision)
     return out

@@ -89,6 +89,9 @@ class Trace:
     # (``sim/tensor_parallel.py``); 0: no fused attention seen
     stood_in: tuple[str, ...] = ()  # the modules a data-dependent op ran in as the balanced-routing stand-in
     # (``routing.py``), sorted ("" the root): where a real step's shapes may differ from rank to rank
+    host_reads: tuple[str, ...] = ()  # a model without routing: the modules whose forward read a tensor's value on
+    # the host (``.item()``, ``bool()``: an ``if`` or a loop count on the data), sorted: the trace followed the
+    # stand-in's answer, and a rank whose data answers otherwise runs another step (``pitfalls.py``)
     offset_rows: tuple[str, ...] = ()  # the modules a ``torch._grouped_mm`` of 2-D rows split by offsets ran in
     # (torchtitan's GroupedExperts' form: the layer's token list, not an (experts, rows, dim) block)
 

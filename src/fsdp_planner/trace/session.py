@@ -213,6 +213,7 @@ class TraceSession:
                      own_checkpointed=tuple(recorder.own_calls), attention=tuple(sorted(self.ops.attention)),
                      attention_batch=self.ops.attention_batch,
                      stood_in=tuple(sorted({module for _, module in self.stand_in.used})),
+                     host_reads=self.stand_in.host_reads(),
                      offset_rows=tuple(sorted(self.ops.offset_rows)))
 
 
