@@ -223,3 +223,14 @@ def test_the_fp32_group_named_is_one_that_holds_the_params(capsys):
     assert code == 2 and "in module 'head.parametrizations.weight.0'" in err, err
     assert "(--fp32-modules head)" in err, err
     assert run_main(capsys, "plan", f"{MODELS}:spectral_head", "--policy", "order", "--fp32-modules", "head")[0] == 0
+
+
+def test_a_frozen_batchnorm_is_not_sent_to_fp32_modules(capsys):
+    """A frozen backbone's BatchNorm fails in bf16 and no module up to the root holds trainable params: the fix
+    offered --fp32-modules NAME, which then refused the module (a trial went round); it says why not, and the
+    precision that runs it."""
+    code, _, err = run_main(capsys, "plan", f"{MODELS}:frozen_batchnorm", "--policy", "order")
+    assert code == 2 and "in module '0.1'" in err, err
+    assert "--fp32-modules NAME" not in err and "'0.1' and the modules above it hold no trainable params" in err
+    assert "or plan with --precision fp32" in err
+    assert run_main(capsys, "plan", f"{MODELS}:frozen_batchnorm", "--policy", "order", "--precision", "fp32")[0] == 0

@@ -43,11 +43,17 @@ class PrecisionError(PlannerError):
         where = f"{self.failed.describe()} raised " if self.failed is not None else ""
         self.problem = (f"the step fails in {dtype}, the compute dtype of precision '{precision.name}': "
                         f"{where}{type(cause).__name__}: {first_line(cause)}")
-        name = holding_params(own_dtypes, self.module) if self.module not in (ROOT, LOSS) else None
+        inside = self.module not in (ROOT, LOSS)
+        name = holding_params(own_dtypes, self.module) if inside else None
+        # (a frozen module, a frozen backbone's BatchNorm, has no trainable params for an fp32 group to hold, nor
+        # does any module above it: --fp32-modules refuses it, so it is not offered: a trial followed it there)
+        group = f"keep the module in an fp32 group of its own (--fp32-modules {name or 'NAME'})" \
+            if name or not inside else \
+            f"keep it trainable in an fp32 group of its own ('{self.module}' and the modules above it hold no " \
+            "trainable params, which --fp32-modules needs)"
         self.fix = ("cast in forward, so the op's operands share a dtype (build tensors with dtype=x.dtype, or "
-                    "t.to(x.dtype); FSDP2 casts params, not buffers such as BatchNorm's running stats), keep the "
-                    f"module in an fp32 group of its own (--fp32-modules {name or 'NAME'}), or plan with "
-                    "--precision fp32")
+                    "t.to(x.dtype); FSDP2 casts params, not buffers such as BatchNorm's running stats), "
+                    f"{group}, or plan with --precision fp32")
         super().__init__(f"{self.problem}; {self.fix}")
 
 
