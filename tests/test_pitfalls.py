@@ -61,6 +61,21 @@ def test_a_step_branching_on_its_data_is_a_warning_and_its_other_branch_no_dead_
     assert not traced("toy-llama").host_reads  # (reads no value: no warning)
 
 
+def test_titan_and_auto_keep_a_reused_side_module_out_of_a_list_group():
+    """ALBERT's shared block applied four times, blocks detected as its Linears: titan listed the shared block's
+    norm (called four times) beside the final norm, which check warns of (pytorch#183702), and auto took that
+    baseline's grouping (a trial). A reused side module gets a group of its own."""
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.planners import AutoPolicy, TorchtitanPolicy
+
+    tr = traced("tests/fixtures/factories.py:albert")
+    assert tr.forward_calls("shared.norm") == 4
+    for plan in (TorchtitanPolicy("Linear").plan(tr), AutoPolicy(parse_cluster("h100:8")).plan(tr)):
+        listed = [m for g in plan.groups if len(g.modules) > 1 for m in g.modules]
+        assert all(tr.forward_calls(m) == 1 for m in listed), [g.modules for g in plan.groups]
+        assert Code.LIST_GROUP_REUSE not in {f.code for f in plan_findings(tr, plan)}
+
+
 def test_sharded_read_names_the_module_and_the_fix():
     tr = traced("tests/fixtures/invalid_models.py:direct_call")
     [f] = plan_findings(tr, make_plan(tr, [["layer"], ["linear"]]))
