@@ -208,6 +208,13 @@ def test_root_params_with_their_bytes():
     assert f"({fmt_bytes(halved)} unsharded on each TP rank)" in f.message and halved < nbytes
 
 
+def test_root_params_the_root_reads_say_why_they_stay():
+    """A ParameterList the root's forward indexes cannot leave the root group: the fix column was empty."""
+    tr = traced("gated")
+    [f] = [f for f in plan_findings(tr, make_plan(tr, [["blocks.0"], ["blocks.1"]])) if f.code is Code.ROOT_PARAMS]
+    assert f.fix.startswith("the root module's forward reads them, where only the root's group is gathered")
+
+
 def test_root_params_name_a_tied_params_modules_together():
     """The fix for a tied embedding left to the root lists every module holding it in one call: sharding the
     embedding alone, as the plain advice says, is the tied-across-groups error."""

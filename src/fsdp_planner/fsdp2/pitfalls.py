@@ -517,6 +517,9 @@ def _root_fix(trace: Trace, plan: Plan, ps: list[ParamInfo], on_root: bool) -> s
     if on_root:
         fix += ("; " if fix else "") + "params registered on the root module itself can only be managed by the " \
                                        "root: move them into a submodule to shard them"
+    elif not movable:  # (a ParameterList the root's forward indexes: only the root's group is gathered there)
+        fix = ("the root module's forward reads them, where only the root's group is gathered: read them inside a "
+               "submodule's forward (one that owns them) to shard them")
     if plan.policy.startswith("auto(") and movable:  # auto tries them in groups kept gathered (prefer_empty_root)
         fix += ("; this plan is auto's, which keeps params on the root only where its search found them grouped "
                 "slower, larger or unable to run")
