@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import as_users_run, policy, run_main, traced
 
 from fsdp_planner import signals
@@ -926,3 +927,31 @@ def test_a_run_that_changes_no_param_says_its_parity_proves_nothing(tmp_path):
     assert r.returncode == 0 and "no param changed in the 2 steps" in " ".join((r.stdout + r.stderr).split())
     r = run_main("verify", "seed-net", "--policy", "order", "--nproc", "2", "--steps", "1", "--precision", "fp32")
     assert r.returncode == 0 and "no param changed" not in r.stdout + r.stderr
+
+
+class _Counting(torch.nn.Module):
+    """A buffer the forward counts its calls in and reads (a warm-up inside the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * torch.clamp(self.calls / 4.0, max=1.0)
+
+
+def test_the_reference_runs_each_rank_with_its_own_buffers():
+    """FSDP2 syncs no buffer: on 2 ranks each rank's count moves once a step. The one-process reference ran both
+    ranks' batches through one model, counting twice a step, and a trial's model failed parity for it; each rank's
+    batches now run with that rank's buffers, and the reference holds rank 0's between steps."""
+    from fsdp_planner.runtime.worker import RankBuffers, reference_step
+
+    model = _Counting()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffers = RankBuffers(model, 2)
+    batch = (torch.ones(2, 4),), lambda out: out.sum()
+    for step in range(3):
+        reference_step(model, optimizer, [[batch], [batch]], step, 0, torch.device("cpu"), buffers=buffers)
+    assert [b[("", "calls")].item() for b in buffers.saved] == [3.0, 3.0] and model.calls.item() == 3.0

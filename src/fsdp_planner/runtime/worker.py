@@ -141,21 +141,49 @@ def call_model(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any
     return model(*args, **kwargs)
 
 
+class RankBuffers:
+    """Each data-parallel rank's own buffers, for the one-process reference: FSDP2 syncs no buffer, so a buffer the
+    forward changes (a count of calls, running stats) moves on each rank with its own batches alone, while the
+    reference runs every rank's batches through one model; it runs each rank's with that rank's buffers swapped in
+    (a buffer counting forward calls advanced twice a step on 2 ranks: a parity FAIL FSDP2 did not cause, a
+    trial's), and holds rank 0's between steps (what rank 0's sharded model holds, and saves)."""
+
+    def __init__(self, model: torch.nn.Module, ranks: int) -> None:
+        self.modules = dict(model.named_modules())
+        self.saved = [{(m, k): b.detach().clone() for m, mod in self.modules.items()
+                       for k, b in mod._buffers.items() if b is not None} for _ in range(ranks)]
+
+    def install(self, rank: int) -> None:
+        """Rank ``rank``'s buffers into the model (the tensors themselves: what its micro-batches change)."""
+        for (m, k), b in self.saved[rank].items():
+            self.modules[m]._buffers[k] = b
+
+    def keep(self, rank: int) -> None:
+        """What the model's buffers are now, as rank ``rank``'s (a forward may have replaced one)."""
+        self.saved[rank] = {(m, k): self.modules[m]._buffers[k] for m, k in self.saved[rank]}
+
+
 def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    batches: list[list[tuple[Any, Any]]], step: int, seed: int, device: torch.device,
-                   precision: Casts = contextlib.nullcontext) -> float:
+                   precision: Casts = contextlib.nullcontext, buffers: RankBuffers | None = None) -> float:
     """One step of unsharded training on every rank's micro-batches (``batches[rank][micro]``; losses over the
     world size, as FSDP averages grads, and over the micro-batches, as the sharded loop scales them); the global
     loss. What a run on one process does, uninterrupted, for the same data; each micro-batch inside ``precision``
-    (``fsdp2_casts``: as FSDP2's mixed precision runs it)."""
+    (``fsdp2_casts``: as FSDP2's mixed precision runs it), each rank's with its own ``buffers``."""
     total = 0.0
     for r, micro_batches in enumerate(batches):
+        if buffers is not None:
+            buffers.install(r)
         for inputs, loss_fn in micro_batches:
             torch.manual_seed(seed + 7 * step + r)
             with precision():
                 loss = loss_fn(call_model(reference, inputs, device)) / (len(batches) * len(micro_batches))
                 loss.backward()
             total += loss.item()
+        if buffers is not None:
+            buffers.keep(r)
+    if buffers is not None:
+        buffers.install(0)
     optimizer.step()
     optimizer.zero_grad()
     return total
@@ -177,6 +205,7 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
     model (float8's precomputed scales)."""
     counted, counted_bytes, losses, ref_losses = [], [], [], []
     counter = CollectiveCounter()
+    buffers = RankBuffers(reference, world // tp) if rank == 0 else None
     start = job.get("start_step", 0)
     for step in range(start, start + job["steps"]):
         if injected_fault(rank) == "kill" and step == start + 1:
@@ -198,7 +227,8 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
         if rank == 0:
-            ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device, precision))
+            ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device, precision,
+                                             buffers))
     return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses}
 
 
