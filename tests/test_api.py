@@ -451,3 +451,26 @@ def test_tp_on_a_module_its_meta_twin_cannot_check_is_one_sentence():
     assert fp.plan(model, (x,), cluster="h100:8").groups
     with pytest.raises(PlannerError, match="its step runs only on real tensors"):
         fp.plan(model, (x,), cluster="h100:8", tp=2)
+
+
+def test_apply_plan_checks_its_arguments_and_takes_a_meta_model():
+    """A plan's path, a model sharded already or a string mesh were AttributeErrors and torch's AssertionError from
+    inside FSDP2; a model built on meta (to be materialized after sharding) got a mesh of device type "meta", which
+    FSDP2 has no device module for (a trial of the API)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    lm = load_model("toy-llama", meta=True)
+    plan = fp.plan("toy-llama", policy="titan", cluster="h100:2")
+    with pytest.raises(PlannerError, match=r"^apply_plan's plan must be a Plan, not a path: Plan\.load\('p\.json'\)"):
+        fp.apply_plan(lm.model, "p.json")  # type: ignore[arg-type]
+    with pytest.raises(PlannerError, match=r"^apply_plan's mesh must be a DeviceMesh or None, not str$"):
+        fp.apply_plan(lm.model, plan, mesh="cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        fp.apply_plan(lm.model, plan)  # on meta, no mesh given
+        assert all(p.is_meta for p in lm.model.parameters())
+        with pytest.raises(PlannerError, match=r"^apply_plan shards a model once: .* is sharded already"):
+            fp.apply_plan(lm.model, plan)
+    finally:
+        dist.destroy_process_group()

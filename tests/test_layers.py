@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 # component imports from itself or from lower layers; the components of one layer are peers and import neither.
 LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"base": ("errors", "fmt", "userfiles", "batch", "attention", "linear_attention", "mamba_scan", "selective_scan",
-              "norms", "workspaces", "routing", "choices", "patching", "limits", "signals")},
+              "norms", "workspaces", "routing", "choices", "patching", "limits", "signals", "arguments")},
     {"configs": ("configs",)},  # the training configs users have (torchtitan, Accelerate), read torch-free
     {"trace": ("trace",), "models": ("models",)},
     {"fsdp2": ("fsdp2",)},  # FSDP2's semantics only: no hardware

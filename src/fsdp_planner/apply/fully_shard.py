@@ -120,6 +120,16 @@ def _check_arguments(model: object, plan: object, mesh: object, mp_policy: objec
                            "model again to apply another plan)")
 
 
+def _mesh_device(model: nn.Module) -> str:
+    """The device type of the mesh ``apply_plan`` builds: the params'; for a model built on meta, to be materialized
+    after sharding (``to_empty``), the device it will be on (FSDP2 found no device module of "meta": a trial)."""
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    if device_type != "meta":
+        return device_type
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator is not None else "cpu"
+
+
 def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = None,
                offload_policy: Any = None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it. Works on any world size; without ``mesh``, the
@@ -136,12 +146,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     if mesh is None:
         import torch.distributed as dist
 
-        device_type = next((p.device.type for p in model.parameters()), "cpu")
-        if device_type == "meta":  # built on meta, to be materialized after sharding (``to_empty``): the mesh is
-            # of the device it will be on (FSDP2 found no device module of "meta": a trial of the API)
-            accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-            device_type = accelerator.type if accelerator is not None else "cpu"
-        mesh = device_mesh(plan, device_type, dist.get_world_size())
+        mesh = device_mesh(plan, _mesh_device(model), dist.get_world_size())
     expert_parallel = plan.expert_parallel is not None  # the experts first, on meshes of their own (before TP)
     ep_plan, dp_world = plan, mesh.size() // plan.tp_degree  # (for experts sharded in their blocks' calls)
     plan, experts_placed = shard_experts(model, plan, mesh, mp_policy, offload_policy) if expert_parallel \
