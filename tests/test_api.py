@@ -231,6 +231,8 @@ def _bad_calls(tr, plan):  # (call, the sentence it raises)
                                                                   r"'none', 'full'.*not 'bogus'"),
         (lambda: fp.Plan.from_json(plan.to_dict()), r"^Plan\.from_json reads a plan's JSON text \(a str\), not dict"),
         (lambda: plan.with_group(99), r"^with_group's i must be a group's index, from 0 to"),
+        (lambda: fp.SimOptions.named(zero_grad="maybe"), r"^SimOptions\.named's zero_grad must be one of 'none', "
+                                                         r"'zeros' \(or ZeroGrad\), not 'maybe'$"),
         (lambda: fp.simulate(tr, plan.with_group(0, reshard_after_forward="no"), "h100:8"),
          r"reshard_after_forward must be true, false or a positive whole number"),
     ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from fsdp_planner.arguments import check_fields
+from fsdp_planner.arguments import check_fields, check_value
 from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
@@ -161,14 +161,18 @@ class SimOptions:
               shard_placement: str = ShardPlacement.DIM0.value, reduce_dtype: str | None = None,
               gradient_sync: str = GradientSync.LAST.value, float8: Float8 | None = None,
               early_stop: bool = True) -> SimOptions:
-        reduce = ReduceDtype(reduce_dtype) if reduce_dtype else None
+        def named(value: object, kind: type, key: str) -> object:  # (one sentence naming the choices)
+            return check_value(value, kind, f"SimOptions.named's {key}")
+
+        reduce = named(reduce_dtype, ReduceDtype, "reduce_dtype") if reduce_dtype else None
         return cls(mfu=mfu, precision=with_reduce_dtype(precision_named(precision), reduce),
                    # None: not named (the command line's --optimizer not given, and no job config's)
                    optimizer=optimizer_named(DEFAULT_OPTIMIZER if optimizer is None else optimizer),
-                   zero_grad=ZeroGrad(zero_grad), micro_batches=micro_batches,
+                   zero_grad=named(zero_grad, ZeroGrad, "zero_grad"), micro_batches=micro_batches,
                    reshard_after_backward=reshard_after_backward, offload=offload,
-                   shard_placement=ShardPlacement(shard_placement), reduce_dtype=reduce,
-                   gradient_sync=GradientSync(gradient_sync), float8=float8, checkpoint_early_stop=early_stop)
+                   shard_placement=named(shard_placement, ShardPlacement, "shard_placement"), reduce_dtype=reduce,
+                   gradient_sync=named(gradient_sync, GradientSync, "gradient_sync"), float8=float8,
+                   checkpoint_early_stop=early_stop)
 
     def with_memory_options(self, offload: bool, placement: ShardPlacement) -> SimOptions:
         """These options with FSDP2's offload and shard placement set (auto's way out when nothing fits)."""
