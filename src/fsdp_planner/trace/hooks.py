@@ -53,9 +53,9 @@ class ModuleHooks:
     installed: the forward methods wrapped for FSDP2 (``methods.forward_methods``) call them, and must be wrapped
     before the hooks go on (see ``session.TraceSession``)."""
 
-    def __init__(self, walk: ModuleWalk, slot: Slot, param_by_id: dict[int, int]) -> None:
+    def __init__(self, walk: ModuleWalk, slot: Slot, param_by_id: dict[int, int] | None = None) -> None:
         self.slot = slot
-        self.param_by_id = param_by_id  # id of a param object -> its index: the params a call is given
+        self.param_by_id = param_by_id or {}  # id of a param object -> its index: the params a call is given
         self.modules = list(walk.modules.values())
         self.name = {m: n for n, m in walk.modules.items()}  # a module registered twice keeps its first name
         self.holders = _holders(walk)
