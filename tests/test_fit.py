@@ -12,7 +12,13 @@ from conftest import run_main
 
 from fsdp_planner.cli import main
 from fsdp_planner.hardware.cluster import preset_cluster
-from fsdp_planner.planners.fit import largest_confirmed, largest_fitting, smallest_confirmed, smallest_fitting
+from fsdp_planner.planners.fit import (
+    below_by_powers,
+    largest_confirmed,
+    largest_fitting,
+    smallest_confirmed,
+    smallest_fitting,
+)
 
 # toy-llama on 2 H100s at seq 256: batch 1 to ~11 fit, so the search takes 8 points (~0.3 s of CPU each)
 BUDGET, SEQ = "12MiB", "256"
@@ -373,6 +379,12 @@ def test_confirmed_searches_trust_the_screen_only_where_it_says_fits():
     asked.clear()
     assert smallest_confirmed(lambda n: n >= 60, lambda n: asked.append(n) or n >= 55, 120) == 55
     assert asked == [60, 59, 57, 53, 55, 54]
+    # fitting not monotone (a count no EP degree divides fits worse than a smaller one: a trial's "fewest 1,024
+    # GPUs" for a job 64 fit): the power-of-two counts below the answer are tried, and below the smallest that fits
+    odd = lambda n: n in (6, 7, 8) or n >= 120  # noqa: E731
+    found = smallest_confirmed(lambda n: False, odd, 128)
+    assert found == 120 and below_by_powers(odd, found, [1, 2, 4, 8, 16, 32, 64, 128]) == 6
+    assert below_by_powers(lambda n: n >= 120, 120, [1, 2, 4, 8, 16, 32, 64]) == 120  # monotone: unchanged
 
 
 def test_fit_names_unknown_models_and_reads_a_factorys_batch(capsys, tmp_path):

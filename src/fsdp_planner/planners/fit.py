@@ -146,6 +146,15 @@ def smallest_confirmed(screen: Callable[[int], bool], fits: Callable[[int], bool
     return smallest_below(fits, guess)
 
 
+def below_by_powers(fits: Callable[[int], bool], found: int, probes: list[int]) -> int:
+    """``found`` (a count that fits, the monotone searches' answer), or a smaller one: the smallest of ``probes``
+    (counts where a layout's degrees divide well, powers of two) below it that fits, and below that as
+    ``smallest_below`` finds. Where fitting is not monotone (a count no degree divides fits worse than a smaller
+    one), the searches above stop at the wrong side of such a count."""
+    lower = next((i for i in sorted(probes) if i < found and fits(i)), None)
+    return found if lower is None else smallest_below(fits, lower)
+
+
 def smallest_below(fits: Callable[[int], bool], value: int) -> int:
     """The smallest count that fits, given that ``value`` fits: galloping down from it (value - 1, - 2, - 4, ...)
     to the first count that does not fit, then bisection. Where the screen was pessimistic it missed by little, so

@@ -37,7 +37,7 @@ from fsdp_planner.planners.expert_parallel import (
     with_auto_ep,
     with_own_ep,
 )
-from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
+from fsdp_planner.planners.fit import FitPoint, below_by_powers, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome
@@ -382,8 +382,13 @@ def fewest_without_offload(job: PlanJob, tracer: Tracer, most: int, reporter: Re
     if trace is not None:
         points.traces[(0, 0)] = trace
     at = lambda i: (0, 0, i)  # noqa: E731  (the job's own workload)
-    found = smallest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), len(clusters)) \
-        if clusters else None
+    fits = points.fits(at, plain=True)
+    found = smallest_confirmed(points.screen(at, plain=True), fits, len(clusters)) if clusters else None
+    if found:
+        # fitting is not monotone in the node count where a layout's degrees must divide it (an MoE's 8 experts on
+        # 127 nodes' ranks, which no EP degree divides, held 321 GiB, on 8 nodes 50: a trial's "fewest 1,024" for a
+        # job 64 GPUs fit): the power-of-two counts below the answer are tried too
+        found = below_by_powers(fits, found, [i for i, c in enumerate(clusters, 1) if c.nodes & (c.nodes - 1) == 0])
     return Fewest(points.plain_at(0, 0, found) if found else None, most, job.cluster.gpu.name)
 
 
