@@ -1160,6 +1160,12 @@ def test_an_ep_plan_s_torchtitan_job_runs_torchtitan_s_parallelize(tmp_path):
     said = unexpressed(plan, PRECISIONS["bf16-mixed"], None)
     assert any(n.startswith("the plan's expert parallelism on torchtitan's own MoE model is torchtitan's")
                for n in said)
+    # experts in calls of their own (the plan's) are not torchtitan's placement: said (a trial's read-back was
+    # another job's step, unexplained); in their blocks' calls, nothing to say
+    placed = "the plan shards the experts in fully_shard calls of their own, and torchtitan's job shards them in"
+    assert any(n.startswith(placed) for n in said)
+    blocks = plan.replace(expert_parallel=ExpertParallel(8, (experts,), per_param_mesh=True))
+    assert not any(n.startswith(placed) for n in unexpressed(blocks, PRECISIONS["bf16-mixed"], None))
     cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
     assert (cfg.ep, cfg.shard) == (8, 64)
     dense = Plan(fingerprint="", numel=2, model="hf:qwen3-8b", groups=[Group(modules=[""])],

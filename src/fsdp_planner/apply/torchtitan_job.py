@@ -189,6 +189,12 @@ def _flags_notes(plan: Plan) -> list[str]:
         out.append("the plan's expert parallelism on torchtitan's own MoE model is torchtitan's (its parallelize_fn "
                    "lays the experts out itself): fsdp_planner_job() keeps torchtitan's parallelize_fn, with the "
                    "plan's degrees and settings but torchtitan's groups")
+        if plan.expert_parallel is not None and not plan.expert_parallel.per_param_mesh:
+            # (read back, the job is planned so, and its step is that placement's: a trial's 126 ms plan read
+            # back as 135 ms)
+            out.append("the plan shards the experts in fully_shard calls of their own, and torchtitan's job shards "
+                       "them in their blocks' calls (since pytorch/torchtitan#2281): plan with --ep-placement blocks "
+                       "for the figures of the job this exports")
     # (torchtitan's default is spmd_types; the plan's FSDP2 and TP run on DTensor meshes, as its parallelize_fn)
     out.append("the job sets parallelism.spmd_backend = \"partial_dtensor\" (torchtitan's default: spmd_types): the "
                "plan's FSDP2 and TP run over DTensor device meshes, as fsdp_planner_job()'s parallelize_fn applies "
