@@ -372,3 +372,20 @@ def test_fit_takes_dim1_sharding_where_plan_does() -> None:
     mine = found.written_plan.replace(policy="", precision=planned.precision,  # (the API stamps the precision and
                                       optimizer=planned.optimizer)  # the optimizer)
     assert mine.to_json() == planned.replace(policy="", workload=None).to_json()  # (the API records the step)
+
+
+def test_the_layouts_line_says_which_fit_with_cpu_offload():
+    """auto's layouts line listed a layout that fits only with CPU offload as fitting, beside faster ones that do
+    not, without a word of why (a trial's Mixtral-8x22B): it says "(CPU offload)"."""
+    from fsdp_planner.cli.render import mesh_line
+    from fsdp_planner.service.outcome import summarize
+
+    lm = load_model("toy-llama", meta=True)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
+    result = AutoPolicy(parse_cluster("h100:16"), options=SimOptions(offload=True)).search(tr)
+    summary = summarize(result)
+    assert len(summary.layouts) > 1 and all(layout.offload for layout in summary.layouts if layout.fits)
+    line = mesh_line(summary)
+    assert line.count("(CPU offload)") == sum(layout.fits for layout in summary.layouts) > 0
+    plain = summarize(AutoPolicy(parse_cluster("h100:16")).search(tr))
+    assert "(CPU offload)" not in mesh_line(plain)

@@ -556,8 +556,9 @@ def mesh_line(search: SearchSummary) -> str:
 
     parts = []
     for layout in sorted(search.layouts, key=lambda m: order(m.name)):
-        parts.append(f"{layout.name} {fmt_time(layout.step_time)}"
-                     f"{'' if layout.fits else ' (' + fmt_bytes(layout.reserved) + ', does not fit)'}")
+        said = f" ({fmt_bytes(layout.reserved)}, does not fit)" if not layout.fits else \
+            " (CPU offload)" if layout.offload else ""  # (what lets it fit beside layouts that do not: a trial)
+        parts.append(f"{layout.name} {fmt_time(layout.step_time)}{said}")
     tp = " x TP" if any(" x TP " in x.name for x in search.layouts) else ""
     ep = ", EP" if any(", EP " in x.name for x in search.layouts) else ""
     # (auto's TP degrees, each at the step's sequences: TP d's data-parallel ranks run d x the batch; where --tp d or

@@ -26,6 +26,7 @@ class Layout:
     step_time: float
     reserved: int
     fits: bool
+    offload: bool = False  # its best plan runs with CPU offload (what let it fit, where the layouts beside it do not)
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,9 @@ class SearchSummary:
 def summarize(result: AutoResult, tp_fixed: bool = False) -> SearchSummary:
     best = best_fitting_baseline(result)
     ev = result.search.ev
-    layouts = tuple(Layout(name, c.report.step_time, c.report.reserved_memory, ev.fits(c))
-                    for name, c in result.meshes.items())
+    # (a search keeps its plans' CPU offload apart, ``RunOptions``: its step says it, the optimizer on the host)
+    layouts = tuple(Layout(name, c.report.step_time, c.report.reserved_memory, ev.fits(c),
+                           c.plan.offload or c.report.cpu_optimizer_time > 0) for name, c in result.meshes.items())
     return SearchSummary(result.written_plan, result.report, result.budget, result.budget_source, result.fits,
                          result.evaluated, result.refined, result.effort, result.seconds,
                          best.origin if best else None, best.report.step_time if best else None, layouts,
