@@ -1133,6 +1133,11 @@ def test_experts_not_stacked_on_an_expert_dim_are_named_in_the_refusal(tmp_path)
                                   "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}}))
     with pytest.raises(PlannerError, match="DbrxExperts does not hold its experts' weights as its own params stacked"):
         api.plan(f"hf:{config}", cluster="h100:2", policy="titan", ep=2, seq=32)
+    # auto screens none, and says why (a trial read its silence as an oversight)
+    r = run_main("plan", f"hf:{config}", "--policy", "auto", "--cluster", "h100:2", "--seq", "32")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "note: auto screens no expert parallelism: expert parallelism needs grouped experts modules, and " \
+        "DbrxExperts does not hold" in r.stderr and "without --ep" not in r.stderr
 
 
 def test_hand_edited_ep_plan_files_meet_the_same_checks_everywhere(tmp_path) -> None:

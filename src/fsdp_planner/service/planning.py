@@ -316,6 +316,12 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
             return found
 
         notes: list[str] = []
+        if request.ep is None and not expert_modules(tr) and \
+                any(info.cls.endswith("Experts") for info in tr.modules.values()):
+            # an MoE whose experts EP cannot split (DBRX's, flattened in a child): no screen, and why (a trial read
+            # auto's silence as an oversight)
+            notes.append("auto screens no expert parallelism: " + no_experts(tr).removesuffix(": plan this model "
+                                                                                              "without --ep"))
         result = screened(searched, notes.append)
         if (ep > 1 or own) and searched.run.offload and not options.offload and policy.choose_memory_options:
             result, notes = _ep_without_offload(result, notes, policy, tr, spec.name, screened)
