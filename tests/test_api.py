@@ -253,6 +253,16 @@ def test_the_api_s_arguments_are_checked_at_the_door():
             call()
     assert fp.AutoPolicy("h100:8", checkpointing="full").checkpointing is ACMode.FULL
     assert fp.ExecutionOrderPolicy("1MiB").target_bytes == 1 << 20
+    # what plainly means the type asked for is taken as it (a review found these refused): FSDP1's 1e8, a numpy
+    # int, a set of class names, 0 for False, None as a plan's model name
+    import numpy as np
+
+    assert fp.SizeBasedPolicy(1e8).min_nonwrapped_numel == 10**8 and fp.ExecutionOrderPolicy(np.int64(4096))
+    assert fp.ModuleWrapPolicy({"TransformerBlock"}).module_classes == ("TransformerBlock",)
+    assert fp.SimOptions(offload=0).offload is False and fp.SimOptions(offload=np.bool_(True)).offload is True
+    assert fp.ModuleWrapPolicy("TransformerBlock").plan(tr, None).groups
+    with pytest.raises(PlannerError, match=r"min_nonwrapped_numel must be an int, not float 1\.5"):
+        fp.SizeBasedPolicy(1.5)
     assert plan.replace(activation_checkpointing="layers.3").activation_checkpointing == ("layers.3",)
 
 

@@ -78,6 +78,10 @@ def test_a_param_passed_to_a_call_is_read_by_its_caller() -> None:
     assert apply_on_fake_ranks(spec, right) is None
     order = make_policy(PolicyRequest.named("order")).plan(tr)
     assert not reads(tr, order) and apply_on_fake_ranks(spec, order) is None
+    # the caller is the module whose forward runs the call, not the callee's parent: the root here
+    tr = traced(f"{FIXTURES}:passing_from_root")
+    [bad] = reads(tr, make_plan(tr, [["layers.0"], ["layers.1"]]))
+    assert (bad.module, bad.passed_to, bad.param) == ("", "layers.0.borrower", "layers.1.mix.weight")
 
 
 @pytest.mark.parametrize("model", [m for m in BUILTINS if m not in ("llama3-70b", "llama3-405b", "llama32-1b")])

@@ -955,3 +955,9 @@ def test_the_reference_runs_each_rank_with_its_own_buffers():
     for step in range(3):
         reference_step(model, optimizer, [[batch], [batch]], step, 0, torch.device("cpu"), buffers=buffers)
     assert [b[("", "calls")].item() for b in buffers.saved] == [3.0, 3.0] and model.calls.item() == 3.0
+    # a buffer two modules register stays one tensor in each rank's copy (a review's case)
+    shared = torch.nn.Sequential(_Counting(), _Counting())
+    shared[1].calls = shared[0].calls
+    buffers = RankBuffers(shared, 2)
+    buffers.install(1)
+    assert shared[0].calls is shared[1].calls

@@ -170,14 +170,15 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | str | None = None, opt
 
 @checked
 def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-          precision: Precision | str = DEFAULT_PRECISION, reuse: bool = True, routing: float = DEFAULT_CAPACITY,
-          fp32_modules: Sequence[str] = ()) -> Trace:
+          precision: Precision | str = DEFAULT_PRECISION, reuse: bool = True,
+          routing: float | None = DEFAULT_CAPACITY, fp32_modules: Sequence[str] = ()) -> Trace:
     """One training step of ``model`` traced as FSDP2 runs it under ``precision`` (``sim.tracing.trace``, whose
     docstring says how), on the model's meta twin with its inputs and loss on meta, as ``plan`` traces a module: a
     real model gives its meta twin's figures, the command line's (traced under fake CPU tensors it took CPU kernels'
     choices, and counted its first op's save of the batch as an activation: a trial of the API), and is left
     untouched. A model that cannot be copied, or whose step runs on real tensors only, is traced itself under fake
     tensors."""
+    routing = DEFAULT_CAPACITY if routing is None else routing  # (None: the default, as plan() takes it)
     try:
         copy, meta_inputs = _on_meta(model, example_inputs)
     except Exception:  # (a module deepcopy cannot copy: a lock, a handle)

@@ -14,6 +14,8 @@ import collections.abc
 import dataclasses
 import functools
 import inspect
+import numbers
+import operator
 import sys
 import types
 import typing
@@ -70,6 +72,9 @@ def check_value(value: Any, hint: Any, what: str) -> Any:
     PlannerError: "``what`` must be ``described``, not ``value's type``"."""
     if _matches(value, hint):
         return value
+    coerced = _coerced(value, hint)
+    if coerced is not None and _matches(coerced, hint):
+        return coerced
     for enum in _enums(hint):
         if isinstance(value, str):
             try:
@@ -168,6 +173,33 @@ def _matches_generic(value: Any, origin: Any, args: tuple[Any, ...]) -> bool:
     return all(_matches(v, items[0]) for v in value)
 
 
+def _coerced(value: Any, hint: Any) -> Any:
+    """``value`` as the type ``hint`` takes where it plainly means one (None where not): an integral float or a
+    numpy integer where an int is taken (``SizeBasedPolicy(1e8)``, FSDP1's idiom), a numpy number where a float is,
+    a numpy bool where a bool is, any collection but a string where a tuple is (``ModuleWrapPolicy({"Block"})``)."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if isinstance(value, bool) or value is None:
+        return None
+    if bool in args and getattr(value, "dtype", None) is not None and str(value.dtype) == "bool" and \
+            getattr(value, "shape", None) == ():
+        return bool(value)
+    if bool in args and int not in args and type(value) is int and value in (0, 1):
+        return bool(value)  # (``offload=0``)
+    if int in args:
+        if isinstance(value, float):
+            return int(value) if value.is_integer() else None
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    if float in args and isinstance(value, numbers.Real):
+        return float(value)
+    tuples = [a for a in args if typing.get_origin(a) is tuple]
+    if tuples and isinstance(value, collections.abc.Iterable) and not isinstance(value, str | bytes | dict):
+        return tuple(value)
+    return None
+
+
 def _first_stray(value: Any, hint: Any) -> tuple[Any] | None:
     """(the first item of ``value``, a container of ``hint``'s kind, that is not of its item type,) or None."""
     origin, args = typing.get_origin(hint), [a for a in typing.get_args(hint) if a is not Ellipsis]
@@ -204,11 +236,15 @@ def _hints(owner: Any) -> dict[str, Any]:
 def _kind(value: Any) -> str:
     if value is None:
         return "None"
+    kind = type(value)
+    name = kind.__name__  # (a numpy scalar by its module: numpy's bool is no "bool")
+    if kind.__module__.split(".")[0] == "numpy":
+        name = f"{kind.__module__.split('.')[0]}.{name}"
     if isinstance(value, bool | int | float):
-        return f"{type(value).__name__} {value!r}"
+        return f"{name} {value!r}"
     if isinstance(value, str):
         return f"str {value[:60]!r}"
-    return _article(type(value).__name__)
+    return _article(name)
 
 
 def _article(name: str) -> str:

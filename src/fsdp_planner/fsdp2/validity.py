@@ -25,8 +25,9 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.fsdp2.tensor_parallel import matches
 from fsdp_planner.trace.chunked_loss import output_layer
+from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import proper_ancestors
+from fsdp_planner.trace.tree import ROOT, proper_ancestors
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -95,12 +96,24 @@ def sharded_reads(trace: Trace, plan: Plan, schedule: Schedule,
     for i in bad.tolist():
         at, param = int(ops[i]), trace.params[int(params[i])].fqn
         if passed[i]:
-            callee = events[at + 1].module
-            out.append(ShardedRead(at, param, int(groups[i]), callee.rpartition(".")[0] if callee else "", False,
-                                   callee))
+            out.append(ShardedRead(at, param, int(groups[i]), _running(trace, at), False, events[at + 1].module))
         else:
             out.append(ShardedRead(at, param, int(groups[i]), events[at].module, events[at].backward))
     return out
+
+
+def _running(trace: Trace, at: int) -> str:
+    """The module whose forward runs at event ``at`` (the innermost call open there): the caller of the call whose
+    FWD_PRE follows (a root calling a grandchild is the root, not the grandchild's parent: a review's case)."""
+    depth, events = 0, trace.events
+    for e in (events[j] for j in range(at, -1, -1)):
+        if e.kind is EventKind.FWD_POST:
+            depth += 1
+        elif e.kind is EventKind.FWD_PRE:
+            if depth == 0:
+                return e.module
+            depth -= 1
+    return ROOT
 
 
 def runnable(trace: Trace, plan: Plan) -> Plan:

@@ -46,7 +46,7 @@ class ModuleWrapPolicy:
         check_fields(self)
 
     @checked
-    def plan(self, trace: Trace, model: str = "") -> Plan:
+    def plan(self, trace: Trace, model: str | None = "") -> Plan:
         """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
         return runnable(trace, self.build(trace, model))
 
@@ -97,7 +97,7 @@ class SizeBasedPolicy:
         return list(wrapped)
 
     @checked
-    def plan(self, trace: Trace, model: str = "") -> Plan:
+    def plan(self, trace: Trace, model: str | None = "") -> Plan:
         """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
         return runnable(trace, self.build(trace, model))
 
@@ -125,7 +125,7 @@ class TorchtitanPolicy:
         check_fields(self)
 
     @checked
-    def plan(self, trace: Trace, model: str = "") -> Plan:
+    def plan(self, trace: Trace, model: str | None = "") -> Plan:
         """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
         return runnable(trace, self.build(trace, model))
 

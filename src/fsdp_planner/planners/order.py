@@ -125,7 +125,7 @@ class ExecutionOrderPolicy:
             raise PlannerError(f"the order policy's target group size must be at least 1 byte, got {self.target_bytes}")
 
     @checked
-    def plan(self, trace: Trace, model: str = "") -> Plan:
+    def plan(self, trace: Trace, model: str | None = "") -> Plan:
         """``build``'s plan, a group FSDP2 could not run joined to the next (``joined_until_runnable``); a
         PlannerError naming the op that would read a sharded param when no join makes it run."""
         return joined_until_runnable(trace, self.build(trace, model))

@@ -150,8 +150,11 @@ class RankBuffers:
 
     def __init__(self, model: torch.nn.Module, ranks: int) -> None:
         self.modules = dict(model.named_modules())
-        self.saved = [{(m, k): b.detach().clone() for m, mod in self.modules.items()
-                       for k, b in mod._buffers.items() if b is not None} for _ in range(ranks)]
+        live = [((m, k), b) for m, mod in self.modules.items() for k, b in mod._buffers.items() if b is not None]
+        self.saved = []
+        for _ in range(ranks):  # one copy of each tensor: a buffer two modules register stays one (a review's case)
+            copies: dict[int, torch.Tensor] = {}
+            self.saved.append({key: copies.setdefault(id(b), b.detach().clone()) for key, b in live})
 
     def install(self, rank: int) -> None:
         """Rank ``rank``'s buffers into the model (the tensors themselves: what its micro-batches change)."""

@@ -243,7 +243,7 @@ class AutoPolicy:
             raise PlannerError("the fsdp1 target plans pure FSDP: FSDP1's HYBRID_SHARD is not modelled")
 
     @checked
-    def plan(self, trace: Trace, model: str = "") -> Plan:
+    def plan(self, trace: Trace, model: str | None = "") -> Plan:
         result = self.search(trace, model)
         if not result.fits:
             raise PlannerError(infeasible_message(result))
