@@ -69,13 +69,9 @@ def sharded_reads(trace: Trace, plan: Plan, schedule: Schedule,
     group_of = np.full(len(trace.params), -1, dtype=np.int64)
     for gi, params in enumerate(group_params):
         group_of[np.asarray(params, dtype=np.int64)] = gi
-    read_ops, read_params = trace.index.use_arrays
-    passed_at, passed_params = trace.index.passed_arrays
-    keep = passed_at > 0  # a param given to a call is read by its caller, before the call's own hooks: just before
-    # its FWD_PRE, where the caller's groups are unsharded and the call's are not yet
-    ops = np.concatenate([read_ops, passed_at[keep] - 1])
-    params = np.concatenate([read_params, passed_params[keep]])
-    n_reads = len(read_ops)
+    # (a param given to a call is read by its caller, before the call's own hooks: just before its FWD_PRE, where
+    # the caller's groups are unsharded and the call's are not yet: ``TraceIndex.read_arrays``)
+    ops, params, n_reads = trace.index.read_arrays
     groups = group_of[params]
     managed = groups >= 0
     passed = np.arange(len(ops)) >= n_reads

@@ -132,11 +132,14 @@ class TraceIndex:
         return ops, params
 
     @cached_property
-    def passed_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every param given to a module call as an argument (``Event.passed``), as two flat arrays: the position
-        of the call's FWD_PRE, and the param: the caller read it before the call's hooks ran."""
-        pairs = [(i, p) for i, e in enumerate(self._events) if e.passed for p in e.passed]
-        return (np.array([i for i, _ in pairs], dtype=np.int64), np.array([p for _, p in pairs], dtype=np.int64))
+    def read_arrays(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """``use_arrays`` and after them every param given to a module call as an argument (``Event.passed``), read
+        by the caller just before the call's FWD_PRE, before the call's hooks ran; and how many are ops' reads (the
+        rest: passes). Built once: auto checks every candidate plan against them."""
+        ops, params = self.use_arrays
+        pairs = [(i - 1, p) for i, e in enumerate(self._events) if e.passed and i > 0 for p in e.passed]
+        return (np.concatenate([ops, np.array([i for i, _ in pairs], dtype=np.int64)]),
+                np.concatenate([params, np.array([p for _, p in pairs], dtype=np.int64)]), len(ops))
 
     @cached_property
     def ops_through(self) -> np.ndarray:
