@@ -46,7 +46,7 @@ from fsdp_planner.service.tracing import (
     step_loss,
     trace_spec,
 )
-from fsdp_planner.service.validate import SPLIT_AUTO, Keywords, Spelling
+from fsdp_planner.service.validate import Keywords, Spelling, splits
 from fsdp_planner.service.validate import cluster as checked_cluster
 from fsdp_planner.service.validate import plan_job as checked_job
 from fsdp_planner.sim import tracing
@@ -238,7 +238,7 @@ def _check_module(model: nn.Module, inputs: Any, batch: object, seq: object, hf_
     if batch is not None or seq is not None:
         raise PlannerError("batch and seq reach a MODEL spec's factory; with an nn.Module the inputs are the "
                            "workload: give inputs of one micro-batch instead (micro_batches=N: a step of N of them)")
-    if isinstance(micro_batches, str) and micro_batches.strip().lower() == SPLIT_AUTO:
+    if splits(micro_batches):
         raise PlannerError("micro_batches='auto' lets auto split a MODEL spec's batch, which it traces at each split; "
                            "an nn.Module's inputs are one micro-batch: give micro_batches=N, a step of N of them")
     if hf_config is not None:

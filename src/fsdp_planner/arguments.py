@@ -121,7 +121,7 @@ def _matches(value: Any, hint: Any) -> bool:
 def _by_type(hint: Any, kind: type) -> bool | None:
     """``hint`` of plain classes (a union of them too) against a value of type ``kind``; None where the value
     itself decides (a container's items, a literal, a callable)."""
-    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    args = _alternatives(hint)
     if any(a is Any for a in args):  # (a class since Python 3.11, of which nothing is an instance)
         return True
     if not all(a is type(None) or (isinstance(a, type) and typing.get_origin(a) is None) for a in args):
@@ -177,7 +177,7 @@ def _coerced(value: Any, hint: Any) -> Any:
     """``value`` as the type ``hint`` takes where it plainly means one (None where not): an integral float or a
     numpy integer where an int is taken (``SizeBasedPolicy(1e8)``, FSDP1's idiom), a numpy number where a float is,
     a numpy bool where a bool is, any collection but a string where a tuple is (``ModuleWrapPolicy({"Block"})``)."""
-    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    args = _alternatives(hint)
     if isinstance(value, bool) or value is None:
         return None
     if bool in args and getattr(value, "dtype", None) is not None and str(value.dtype) == "bool" and \
@@ -209,9 +209,13 @@ def _first_stray(value: Any, hint: Any) -> tuple[Any] | None:
     return next(((v,) for v in value[:MAX_ITEMS] if not _matches(v, args[0])), None)
 
 
+def _alternatives(hint: Any) -> tuple[Any, ...]:
+    """A union's members; any other hint alone."""
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
 def _enums(hint: Any) -> list[type[Enum]]:
-    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    return [a for a in args if isinstance(a, type) and issubclass(a, Enum)]
+    return [a for a in _alternatives(hint) if isinstance(a, type) and issubclass(a, Enum)]
 
 
 @functools.cache

@@ -71,10 +71,9 @@ def sharded_reads(trace: Trace, plan: Plan, schedule: Schedule,
         group_of[np.asarray(params, dtype=np.int64)] = gi
     # (a param given to a call is read by its caller, before the call's own hooks: just before its FWD_PRE, where
     # the caller's groups are unsharded and the call's are not yet: ``TraceIndex.read_arrays``)
-    ops, params, n_reads = trace.index.read_arrays
+    ops, params, passed = trace.index.read_arrays
     groups = group_of[params]
     managed = groups >= 0
-    passed = np.arange(len(ops)) >= n_reads
     ops, params, groups, passed = ops[managed], params[managed], groups[managed], passed[managed]
     spans = sorted((r.group * n + r.start, r.group * n + r.end) for r in schedule.residency
                    if r.divisor == 1 and r.end > r.start)

@@ -300,7 +300,12 @@ def memory_budget(kw: Keywords, cluster: Cluster, spell: Spelling) -> MemoryBudg
 
 def is_split(kw: Keywords) -> bool:
     """``micro_batches='auto'``: auto's choice of the split of the batch."""
-    return isinstance(kw.micro_batches, str) and kw.micro_batches.strip().lower() == SPLIT_AUTO
+    return splits(kw.micro_batches)
+
+
+def splits(micro_batches: object) -> bool:
+    """Whether a ``micro_batches`` value is 'auto' (``is_split``), any case, spaces around it."""
+    return isinstance(micro_batches, str) and micro_batches.strip().lower() == SPLIT_AUTO
 
 
 def micro_batches(kw: Keywords, spell: Spelling, auto: bool = False) -> int:

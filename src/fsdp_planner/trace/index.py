@@ -132,14 +132,16 @@ class TraceIndex:
         return ops, params
 
     @cached_property
-    def read_arrays(self) -> tuple[np.ndarray, np.ndarray, int]:
+    def read_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``use_arrays`` and after them every param given to a module call as an argument (``Event.passed``), read
-        by the caller just before the call's FWD_PRE, before the call's hooks ran; and how many are ops' reads (the
-        rest: passes). Built once: auto checks every candidate plan against them."""
+        by the caller just before the call's FWD_PRE, before the call's hooks ran; and which of them are such passes.
+        Built once: auto checks every candidate plan against them."""
         ops, params = self.use_arrays
         pairs = [(i - 1, p) for i, e in enumerate(self._events) if e.passed and i > 0 for p in e.passed]
+        passed = np.zeros(len(ops) + len(pairs), dtype=bool)
+        passed[len(ops):] = True
         return (np.concatenate([ops, np.array([i for i, _ in pairs], dtype=np.int64)]),
-                np.concatenate([params, np.array([p for _, p in pairs], dtype=np.int64)]), len(ops))
+                np.concatenate([params, np.array([p for _, p in pairs], dtype=np.int64)]), passed)
 
     @cached_property
     def ops_through(self) -> np.ndarray:
