@@ -1547,3 +1547,29 @@ def test_dim_0_s_padding_of_the_experts_is_said_with_its_way_out() -> None:
     for args in (("--cluster", "h100:64", "--shard-placement", "auto"), ("--cluster", "h100:8")):
         r = run_main("plan", TINY, "--policy", "titan", *args)
         assert "padded to a multiple" not in r.stderr, args
+
+
+@pytest.mark.integration  # ~15 s: an 8-layer DeepSeek-V3 traced and auto's search with its EP screen
+def test_auto_screens_torchtitan_s_grouping_at_every_ep_degree_and_placement() -> None:
+    """Where nothing fits without EP, auto screens torchtitan's grouping under EP too, and at every degree and in
+    each placement, not only at those auto's own groups ran best in: on DeepSeek-V3 (256 H100s) auto's groups ran
+    best at EP 256 in the experts' own calls (9.09 s), a hand configuration (titan, EP 64, every block
+    checkpointed, the experts in their blocks' calls) took 9.02 s; auto now 8.49 s at EP 32. Here 8 of its layers
+    under a 16 GiB budget: auto 1.01 s at EP 64, the hand configuration at EP 32 973 ms."""
+    from fsdp_planner.choices import PolicyName
+    from fsdp_planner.planners.expert_parallel import with_expert_parallel
+    from fsdp_planner.planners.registry import PolicyRequest
+    from fsdp_planner.service.planning import search
+    from fsdp_planner.service.tracing import trace_spec
+
+    spec = ModelSpec("hf:deepseek-v3", hf_config=(("num_hidden_layers", 8),))
+    tr = trace_spec(spec)
+    cluster = parse_cluster("h100:256")
+    budget = 16 * 2**30
+    auto = search(tr, PolicyRequest(PolicyName.AUTO, memory_budget=budget), cluster, BF16, spec)
+    titan = TorchtitanPolicy().plan(tr)
+    blocks = tuple(m for m in tr.modules if m.count(".") == 2 and m.startswith("model.layers."))
+    hand = with_expert_parallel(titan.replace(activation_checkpointing=blocks), tr, 32, shard=cluster.world_size)
+    step = simulate(ep_view(tr, hand).trace, hand, cluster, BF16, timeline=False)
+    assert step.reserved_memory <= budget and auto.fits and auto.report.reserved_memory <= budget
+    assert auto.report.step_time <= step.step_time, (auto.plan.policy, auto.report.step_time, step.step_time)

@@ -250,6 +250,7 @@ class EPOption:
     plan: Plan
     step: StepReport
     in_full: bool = False  # its op-level checkpointed blocks checkpointed in full instead (``_in_full``)
+    titan_groups: bool = False  # torchtitan's grouping, not auto's (``_block_options``)
 
     def describe(self, where: bool = True, flat: int = 0) -> str:
         """"EP 8 (experts kept after forward) on 4x16"; ``where``: with its mesh where it is HSDP (and, given the
@@ -259,7 +260,8 @@ class EPOption:
         own = self.plan.expert_parallel is not None and not self.plan.expert_parallel.per_param_mesh
         kept = ["experts' own calls"] * own + \
             [("kept" if own else "experts' blocks kept") + " after forward"] * self.keep_experts
-        said = ", ".join(kept + (["op-level blocks in full"] if self.in_full else []))
+        said = ", ".join(["torchtitan's groups"] * self.titan_groups + kept +
+                         ["op-level blocks in full"] * self.in_full)
         return (f"EP {self.degree}" + (f" ({said})" if said else "") if self.degree > 1 else "no EP") + where
 
 
@@ -367,7 +369,7 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
         found += _in_full(found, views, cluster, options, result.memory.fits) + \
             _op_level_everywhere(found, trace, views, cluster, options, result.memory.fits)
         if not result.fits:
-            found += _block_options(result, trace, cluster, options, found, views)
+            found += _block_options(result, trace, cluster, options, found, views, per_param)
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=_fastest) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
@@ -461,53 +463,60 @@ def _option(like: EPOption, plan: Plan, views: dict[tuple, Trace], cluster: Clus
             in_full: bool = False) -> EPOption:
     """``like``'s EP option with ``plan`` (its EP layout, other checkpointing), simulated on its EP view."""
     view = views[plan.expert_parallel.signature()]
-    return EPOption(like.degree, like.keep_experts, plan,
-                    simulate(view, plan, cluster, plan_options(plan, options), timeline=False), in_full)
+    return replace(like, plan=plan, step=simulate(view, plan, cluster, plan_options(plan, options), timeline=False),
+                   in_full=in_full or like.in_full)
 
 
-BLOCK_OPTIONS = 3  # the EP options whose degree and layout torchtitan's grouping is screened under (``_block_options``)
+BLOCK_OPTIONS = 3  # the layouts of torchtitan's grouping whose checkpointing is fitted (``_block_options``)
 
 
 def _block_options(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, found: list[EPOption],
-                   views: dict[tuple, Trace]) -> list[EPOption]:
-    """Where nothing fit without EP, torchtitan's grouping (the titan baseline: a group per block) under the EP
-    degrees of the ``BLOCK_OPTIONS`` best options screened, in their placement, on their layout and on pure FSDP, with
-    the fewest leading blocks checkpointed in full that let it fit: auto's own groups were chosen for a step EP did
-    not shrink, and can be slower under EP than the expert's (Qwen3.5-397B-A17B on 256 H100s, EP 64: auto's groups
-    5.86 s a step on HSDP 2x128, titan's with every block checkpointed 5.56 s on 1x256)."""
+                   views: dict[tuple, Trace], per_param: tuple[bool, ...] = BOTH_PLACEMENTS) -> list[EPOption]:
+    """Where nothing fit without EP, torchtitan's grouping (the titan baseline: a group per block) under each EP
+    degree screened, in each of ``per_param``'s placements, on the degree's best layout and on pure FSDP, every block
+    checkpointed in full; the ``BLOCK_OPTIONS`` fastest of those then with the fewest leading blocks checkpointed in
+    full that let them fit. Auto's own groups were chosen for a step EP did not shrink, and can be slower under EP
+    than the expert's (Qwen3.5-397B-A17B on 256 H100s, EP 64: auto's groups 5.86 s a step on HSDP 2x128, titan's with
+    every block checkpointed 5.56 s on 1x256); nor need torchtitan's grouping run best at the degree or placement
+    auto's groups do (DeepSeek-V3 on 256 H100s: auto's groups best at EP 256 in the experts' own calls, 9.09 s;
+    torchtitan's at EP 64 in their blocks' calls, 9.02 s with every block checkpointed)."""
     titan = next((c for name, c in result.baselines.items() if name.startswith("titan")), None)
-    ranked = sorted((o for o in found if o.degree > 1 and o.plan.tp_degree == 1),
-                    key=lambda o: (not result.memory.fits(o.step.reserved_memory), o.step.step_time))
-    if titan is None or not ranked or trace.tensor_parallel or titan.plan.tp_degree > 1:  # (TP's EP: its own screen)
+    screened = [o for o in found if o.degree > 1 and o.plan.tp_degree == 1]
+    if titan is None or not screened or trace.tensor_parallel or titan.plan.tp_degree > 1:  # (TP's EP: its own)
         return []
     blocks = block_instances(trace)
     base = titan.plan.running(result.run)  # (the memory options the search ran with: shard dims, offload)
-    groups = [replace(g, forward_prefetch=(), backward_prefetch=()) for g in base.groups]
+    base = base.replace(activation_checkpointing=(), selective_checkpointing={},
+                        groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in base.groups])
     flat = Mesh.flat(cluster.world_size)
     searched = {c.plan.mesh or flat for c in result.meshes.values()}  # (a --mesh given: that one alone)
-    out = []
-    tried = set()
-    for like in ranked[:BLOCK_OPTIONS]:
-        ep = like.plan.expert_parallel
+    own = [g.modules for g in base.groups] != [g.modules for g in result.plan.groups]  # (said where they differ)
+    best: dict[int, EPOption] = {}
+    for o in sorted(screened, key=lambda o: _rank(o, result)):
+        best.setdefault(o.degree, o)
+    in_full = []
+    for like in best.values():
         for mesh in dict.fromkeys(m for m in (like.plan.mesh or flat, flat) if m in searched):
-            if (like.degree, mesh, ep.per_param_mesh) in tried:
-                continue
-            tried.add((like.degree, mesh, ep.per_param_mesh))
-            plan = base.replace(mesh=None if mesh == flat else mesh, activation_checkpointing=(),
-                                selective_checkpointing={}, groups=groups)
-            try:
-                ep_plan = with_expert_parallel(plan, trace, like.degree, ep.skew, plan.shard_size(cluster.world_size),
-                                               per_param_mesh=ep.per_param_mesh)
-            except PlannerError:  # (a degree the layout's shard ranks do not take)
-                continue
-            key = ep_plan.expert_parallel.signature()
-            if key not in views:
-                views[key] = ep_view(trace, ep_plan).trace
-            view = views[key]
-            option = EPOption(like.degree, False, ep_plan,
-                              simulate(view, ep_plan, cluster, plan_options(ep_plan, options), timeline=False))
-            out.append(_checkpointed_to_fit(option, view, blocks, cluster, options, result.memory.fits))
-    return out
+            for per_param_mesh in per_param:
+                plan = base.replace(mesh=None if mesh == flat else mesh)
+                try:
+                    ep_plan = with_expert_parallel(plan, trace, like.degree, like.plan.expert_parallel.skew,
+                                                   plan.shard_size(cluster.world_size), per_param_mesh=per_param_mesh)
+                except PlannerError:  # (a degree the layout's shard ranks do not take)
+                    continue
+                key = ep_plan.expert_parallel.signature()
+                if key not in views:
+                    views[key] = ep_view(trace, ep_plan).trace
+                full = ep_plan.replace(activation_checkpointing=tuple(blocks))
+                in_full.append(EPOption(like.degree, False, full, simulate(views[key], full, cluster,
+                                                                           plan_options(full, options),
+                                                                           timeline=False), titan_groups=own))
+    fitted = []
+    for o in sorted(in_full, key=lambda o: _rank(o, result))[:BLOCK_OPTIONS]:
+        none = _option(o, o.plan.replace(activation_checkpointing=()), views, cluster, options)
+        fitted.append(_checkpointed_to_fit(none, views[o.plan.expert_parallel.signature()], blocks, cluster,
+                                           options, result.memory.fits))
+    return in_full + fitted
 
 
 def _screen_line(found: list[EPOption], result: AutoResult, cluster: Cluster, options: SimOptions) -> str:
@@ -517,8 +526,8 @@ def _screen_line(found: list[EPOption], result: AutoResult, cluster: Cluster, op
     hsdp = any(o.plan.mesh is not None and o.plan.mesh.replicate > 1 for o in found)
     flat = cluster.world_size if hsdp and (tp is None or tp.degree == 1) else 0
     split = f", {options.micro_batches} micro-batches" if options.micro_batches > 1 else ""
-    where = "the experts sharded in their blocks' calls where not said otherwise"
-    return f"auto's EP screen (its groups, {where}{split}): " + ", ".join(
+    where = "its groups and the experts in their blocks' calls where not said otherwise"
+    return f"auto's EP screen ({where}{split}): " + ", ".join(
         f"{o.describe(flat=flat)} {fmt_time(o.step.step_time)}" + (
             "" if result.memory.fits(o.step.reserved_memory)
             else f" ({fmt_bytes(o.step.reserved_memory)}, does not fit)") for o in _shown(found, result))
@@ -736,11 +745,11 @@ def _checkpointed_to_fit(option: EPOption, view: Trace, blocks: list[str], clust
         plan = option.plan.replace(activation_checkpointing=tuple(blocks[:mid]))
         step = simulate(view, plan, cluster, plan_options(plan, options), timeline=False)
         if fits(step.reserved_memory):
-            out, hi = EPOption(option.degree, option.keep_experts, plan, step), mid - 1
+            out, hi = replace(option, plan=plan, step=step), mid - 1
         else:
             lo = mid + 1
     if out is None:  # (the bisection's last step was every block: simulated again, a plan's cost is small)
         plan = option.plan.replace(activation_checkpointing=tuple(blocks))
-        out = EPOption(option.degree, option.keep_experts, plan,
-                       simulate(view, plan, cluster, plan_options(plan, options), timeline=False))
+        out = replace(option, plan=plan, step=simulate(view, plan, cluster, plan_options(plan, options),
+                                                       timeline=False))
     return out
