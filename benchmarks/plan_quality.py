@@ -59,7 +59,7 @@ from fsdp_planner.planners.auto import Target, candidate_meshes
 from fsdp_planner.planners.auto.evaluator import GROUP_SLACK
 from fsdp_planner.planners.auto.split import candidate_splits, choose_split
 from fsdp_planner.planners.blocks import block_instances
-from fsdp_planner.planners.expert_parallel import ep_options
+from fsdp_planner.planners.expert_parallel import ep_degrees, ep_options
 from fsdp_planner.planners.tensor_parallel import titan_llama_layout, titan_moe_layout
 from fsdp_planner.service.planning import search
 from fsdp_planner.sim.context import SimContext
@@ -362,7 +362,8 @@ def baseline_name(r: dict, name: str) -> str:
     column's split or memory option, marked '*')."""
     if name.endswith("*"):
         return f"{name} ({r['best_plan']})"
-    return f"{name} ({r['policies'][name]['plan']})" if name in (BEST_HAND, FEWEST) else name
+    return f"{name} ({r['policies'][name]['plan']})" if name in (BEST_HAND, FEWEST) or name.startswith(BEST_EP) \
+        else name
 
 
 def row_name(r: dict) -> str:
@@ -582,6 +583,7 @@ EXPERT_MOE = {"titan TP 8+ac": (8, 1), "titan EP 8+ac": (1, 8), "titan TP 2 x EP
               "titan TP 8 x EP 8+ac": (8, 8)}
 MOE_FEWEST = ("titan TP 8+ac", "titan EP 8+ac", "titan TP 2 x EP 8+ac")  # also with the fewest leading blocks in
 # full that fit
+BEST_EP = "titan EP best"  # torchtitan's grouping without TP at the EP degree it runs fastest at (``moe_best_ep``)
 
 
 def moe_expert(model: str, cluster: Cluster, tp: int, ep: int, blocks: int | None = None) -> dict:
@@ -639,6 +641,19 @@ def moe_fewest(model: str, cluster: Cluster, tp: int, ep: int, budget: int) -> d
     return out or moe_expert(model, cluster, tp, ep)
 
 
+def moe_best_ep(model: str, cluster: Cluster, budget: int) -> dict[str, dict]:
+    """torchtitan's grouping without TP under each EP degree the experts and the shard ranks allow, every block
+    checkpointed in full, the fastest that fits (else the one holding least), and that degree with the fewest leading
+    blocks in full that fit: the hand sweep of ``expert_parallel_degree`` a user runs (EP 8 is one point of it)."""
+    trace = moe_view(model, cluster, 1)[0]
+    found = {ep: moe_expert(model, cluster, 1, ep) for ep in ep_degrees(trace, cluster.world_size)[1:]}
+    ep = min(found, key=lambda d: (found[d]["reserved_memory"] > budget, found[d]["step_time"]
+                                   if found[d]["reserved_memory"] <= budget else found[d]["reserved_memory"]))
+    fewest = moe_fewest(model, cluster, 1, ep, budget)
+    return {f"{BEST_EP}+ac": {**found[ep], "plan": f"EP {ep}, {found[ep]['plan']}"},
+            f"{BEST_EP}+k full": {**fewest, "plan": f"EP {ep}, {fewest['plan']}"}}
+
+
 def moe_row(model: str, gpus: int) -> dict:
     """Auto choosing EP x TP itself (``service/planning.search``) against torchtitan's MoE configurations."""
     cluster, spec = parse_cluster(f"h100:{gpus}"), ModelSpec(model)
@@ -652,6 +667,7 @@ def moe_row(model: str, gpus: int) -> dict:
                 policies[name.replace("+ac", "+k full")] = moe_fewest(model, cluster, tp, ep, result.budget)
         except PlannerError as e:
             refused[name] = str(e)
+    policies.update(moe_best_ep(model, cluster, result.budget))
     policies["auto"] = {**auto_summary(result), **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
     r = {"model": model, "cluster": f"h100:{gpus}", "budget": result.budget, "budget_source": result.budget_source,
          "min_peak": result.min_peak, "fits": result.fits, "lower_bound": result.report.lower_bound,
@@ -759,17 +775,20 @@ def two_d_main() -> None:
         "llama4_17bx16e.toml at commit 6964eb7: TP 8, full checkpointing, expert_parallel_degree 1, the experts "
         "tensor-parallel: titan TP 8+ac, each rank holding 1/8 of every expert's hidden units). The EP x TP "
         "columns keep EP 8 with TP (EP's ranks span TP's, each TP rank dispatching 1/TP of the routed tokens); "
-        "titan EP 8+ac is its EP recipe without TP. Each: torchtitan's grouping, every block checkpointed in full "
+        "titan EP 8+ac is its EP recipe without TP; titan EP best its EP degree swept as a user tunes it (each "
+        "degree the experts and the GPUs allow, every block in full, the fastest that fits: its degree in the "
+        "json's plan). Each: torchtitan's grouping, every block checkpointed in full "
         "(+ac) or the fewest leading blocks in full that fit (+k full, as a user tunes it), experts resharded "
         "after forward and sharded on dim 1 where dim 0 would pad (torchtitan's expert placement). Auto chooses EP"
         " x TP itself (each TP degree x the EP degrees it allows, screened by its best classic grouping under EP, "
-        "the best searched in full, beside its search without TP and its EP screen). Auto's plan on these rows "
-        "keeps the experts' groups unsharded after forward (their backward all-gathers saved), which no column "
-        "here does: part of its lead is that choice, open to a hand config too. DeepSeek-V3 (671B, transformers' "
+        "the best searched in full, beside its search without TP and its EP screen). Where auto's plan keeps "
+        "the experts' groups unsharded after forward (their backward all-gathers saved), no column here does: part "
+        "of its lead there is that choice, open to a hand config too. DeepSeek-V3 (671B, transformers' "
         "modules, `hf:deepseek-v3`): the TP columns are n/a, torchtitan's MoE TP layout naming its own modules and "
         "EP x TP over transformers' experts being refused; torchtitan's own 671B job adds pipeline parallelism, "
         "which fsdp-planner does not model, so its EP column is that job's recipe without PP.", "",
-        *two_d_table(moe, [*EXPERT_MOE, *(n.replace("+ac", "+k full") for n in MOE_FEWEST)]), "",
+        *two_d_table(moe, [*EXPERT_MOE, *(n.replace("+ac", "+k full") for n in MOE_FEWEST), f"{BEST_EP}+ac",
+                           f"{BEST_EP}+k full"]), "",
         *shipped_lines(shipped),
         summary_line([*rows, *moe]),
     ]
