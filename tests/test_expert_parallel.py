@@ -1549,14 +1549,17 @@ def test_dim_0_s_padding_of_the_experts_is_said_with_its_way_out() -> None:
         assert "padded to a multiple" not in r.stderr, args
 
 
-@pytest.mark.integration  # ~15 s: an 8-layer DeepSeek-V3 traced and auto's search with its EP screen
-def test_auto_screens_torchtitan_s_grouping_at_every_ep_degree_and_placement() -> None:
-    """Where nothing fits without EP, auto screens torchtitan's grouping under EP too, and at every degree and in
-    each placement, not only at those auto's own groups ran best in: on DeepSeek-V3 (256 H100s) auto's groups ran
-    best at EP 256 in the experts' own calls (9.09 s), a hand configuration (titan, EP 64, every block
-    checkpointed, the experts in their blocks' calls) took 9.02 s; auto now 8.49 s at EP 32. Here 8 of its layers
-    under a 16 GiB budget: auto 1.01 s at EP 64, the hand configuration at EP 32 973 ms."""
-    from fsdp_planner.choices import PolicyName
+@pytest.mark.integration  # ~12 s each: an 8-layer DeepSeek-V3 traced and auto's search with its EP screen
+@pytest.mark.parametrize("gpus", [256, 512])
+def test_auto_screens_torchtitan_s_grouping_at_every_ep_degree_and_placement(gpus: int) -> None:
+    """Where nothing fits without EP, auto screens torchtitan's grouping under EP too, at every degree, in each
+    placement and on each layout, the experts sharded on dim 1 where dim 0 would pad (torchtitan's placement), not
+    only at the options auto's own groups ran best in: on DeepSeek-V3 (256 H100s) auto's groups ran best at EP 256
+    in the experts' own calls (9.09 s), a hand configuration (titan, EP 64, every block checkpointed, the experts in
+    their blocks' calls) took 9.02 s; auto now 8.49 s at EP 32 (on 512, 8.51 s with 8 experts padded over 16 ranks,
+    now 8.40 s). Here 8 of its layers under a 16 GiB budget: auto 1.01 s at EP 256 on 256 GPUs against the hand
+    configuration's 973 ms at EP 32; on 512, 977 ms against 960 ms."""
+    from fsdp_planner.choices import PolicyName, ShardPlacement
     from fsdp_planner.planners.expert_parallel import with_expert_parallel
     from fsdp_planner.planners.registry import PolicyRequest
     from fsdp_planner.service.planning import search
@@ -1564,12 +1567,16 @@ def test_auto_screens_torchtitan_s_grouping_at_every_ep_degree_and_placement() -
 
     spec = ModelSpec("hf:deepseek-v3", hf_config=(("num_hidden_layers", 8),))
     tr = trace_spec(spec)
-    cluster = parse_cluster("h100:256")
+    cluster = parse_cluster(f"h100:{gpus}")
     budget = 16 * 2**30
     auto = search(tr, PolicyRequest(PolicyName.AUTO, memory_budget=budget), cluster, BF16, spec)
     titan = TorchtitanPolicy().plan(tr)
     blocks = tuple(m for m in tr.modules if m.count(".") == 2 and m.startswith("model.layers."))
-    hand = with_expert_parallel(titan.replace(activation_checkpointing=blocks), tr, 32, shard=cluster.world_size)
-    step = simulate(ep_view(tr, hand).trace, hand, cluster, BF16, timeline=False)
-    assert step.reserved_memory <= budget and auto.fits and auto.report.reserved_memory <= budget
+    hand = with_expert_parallel(titan, tr, 32, shard=cluster.world_size, placement=ShardPlacement.AUTO)  # (as
+    # --policy titan --ep 32 plans it), with the fewest leading blocks checkpointed in full that fit
+    view = ep_view(tr, hand).trace
+    steps = [simulate(view, hand.replace(activation_checkpointing=blocks[:k]), cluster, BF16, timeline=False)
+             for k in range(len(blocks) + 1)]
+    step = next(s for s in steps if s.reserved_memory <= budget)
+    assert auto.fits and auto.report.reserved_memory <= budget
     assert auto.report.step_time <= step.step_time, (auto.plan.policy, auto.report.step_time, step.step_time)

@@ -327,6 +327,11 @@ def _styles(layout: tuple[tuple[str, TPStyle], ...], names: tuple[str, ...]) -> 
     return tuple(out.items())
 
 
+def is_literal(pattern: str) -> bool:
+    """Whether ``pattern`` has no ``fnmatch`` wildcard, so that it ``matches`` its own name alone."""
+    return not any(c in pattern for c in "*?[")
+
+
 def matches(pattern: str, name: str) -> bool:
     """``parallelize_module``'s matching: as many dotted parts, each matched with ``fnmatch``."""
     parts, atoms = name.split("."), pattern.split(".")

@@ -25,7 +25,7 @@ from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, f
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.planners.tensor_parallel import TP_DEGREES, Layout, check_layout, is_titan_moe, tp_layout
-from fsdp_planner.sim.expert_parallel import ep_view
+from fsdp_planner.sim.expert_parallel import ep_params, ep_view
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import shard_dims
@@ -197,6 +197,15 @@ PER_PARAM_MESH = True
 BOTH_PLACEMENTS = (PER_PARAM_MESH, not PER_PARAM_MESH)  # what an EP screen tries unless told: torchtitan's first
 
 
+def screen_placement(policy: AutoPolicy) -> ShardPlacement | None:
+    """The shard dims auto's EP screens give a plan: torchtitan's rule for experts (``ShardPlacement.AUTO``: dim 1
+    where dim 0 would pad) where auto chooses the placement, as a classic policy's EP plan has it
+    (``service/planning.expert_placement``); else the plan's own. The search chose its dims without EP, where E
+    experts divide the shard ranks that E / EP need not (DeepSeek-V3 on 512 H100s, EP 32: 8 experts over 16 ranks
+    padded on dim 0, 55 blocks checkpointed to fit at 8.51 s on HSDP 2x256; on dim 1 48, 8.40 s on 1x512)."""
+    return ShardPlacement.AUTO if policy.chooses_placement() else None
+
+
 def per_param_meshes(placement: ExpertPlacement | None) -> tuple[bool, ...]:
     """The ``per_param_mesh`` values an EP screen tries: the user's ``placement`` (``--ep-placement``), else both."""
     if placement is None:
@@ -236,7 +245,7 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
         raise PlannerError("expert parallelism with TP and auto shard placement is modelled on auto's EP x TP screens "
                            "only: plan it with --policy auto, or with the default shard placement (dim 0)")
     if auto_dims and shard:
-        out = out.replace(shard_dims=shard_dims(ep_view(trace, out).trace, shard, ShardPlacement.AUTO))
+        out = out.replace(shard_dims=shard_dims(ep_params(trace, out), shard, ShardPlacement.AUTO))
     return out
 
 
@@ -324,7 +333,8 @@ def _experts_kept(plan: Plan, trace: Trace) -> Plan:
 
 def hsdp_ep_options(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions,
                     views: dict[tuple, Trace], degrees: tuple[int, ...] = (),
-                    per_param: tuple[bool, ...] = BOTH_PLACEMENTS) -> list[EPOption]:
+                    per_param: tuple[bool, ...] = BOTH_PLACEMENTS,
+                    placement: ShardPlacement | None = None) -> list[EPOption]:
     """EP (``degrees``; none given: each its dp_shard allows) on auto's other data-parallel layouts
     (``result.meshes``: each one's best plan, without TP; pure FSDP among them where auto chose HSDP), EP's ranks out
     of their dp_shard and the experts replicated over dp_replicate as torchtitan lays them out: EP shrinks the
@@ -340,7 +350,7 @@ def hsdp_ep_options(result: AutoResult, trace: Trace, cluster: Cluster, options:
             plan = cand.plan.running(result.run)
             plan = plan.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in plan.groups])
             out.extend(ep_options(trace, plan, cluster, plan_options(plan, options), degrees=degrees, views=views,
-                                  without=False, per_param=per_param))
+                                  without=False, placement=placement, per_param=per_param))
     return out
 
 
@@ -351,12 +361,13 @@ def best_ep_option(found: list[EPOption], budget: float) -> EPOption | None:
 
 
 def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
-                 note: Callable[[str], None] | None = None,
-                 per_param: tuple[bool, ...] = BOTH_PLACEMENTS) -> AutoResult:
+                 note: Callable[[str], None] | None = None, per_param: tuple[bool, ...] = BOTH_PLACEMENTS,
+                 placement: ShardPlacement | None = None) -> AutoResult:
     """Auto's ``result`` under expert parallelism: its plan's groups under each of ``degrees`` (the user's; none
     given: no EP and every degree the model and its shard ranks allow, each screened and ``note``d), on its layout
     and auto's other HSDP ones, the expert groups resharded after forward or kept, the fastest that fits (else the
-    one holding least, over the budget); ``per_param``: the experts' placements tried (``per_param_meshes``)."""
+    one holding least, over the budget); ``per_param``: the experts' placements tried (``per_param_meshes``);
+    ``placement``: their shard dims (``screen_placement``)."""
     tp = result.plan.tensor_parallel
     if tp is not None and tp.degree > 1:  # screened on one TP rank's view, EP's ranks spanning TP's
         if not degrees:
@@ -364,12 +375,12 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
         view = tp_view(trace, tp, cluster, options.float8 or result.plan.float8)
         trace, cluster = view.trace, view.cluster
     views: dict[tuple, Trace] = {}
-    found = _ep_candidates(result, trace, cluster, options, degrees, views, per_param)
+    found = _ep_candidates(result, trace, cluster, options, degrees, views, per_param, placement)
     if not result.fixed_checkpointing:
         found += _in_full(found, views, cluster, options, result.memory.fits) + \
             _op_level_everywhere(found, trace, views, cluster, options, result.memory.fits)
         if not result.fits:
-            found += _block_options(result, trace, cluster, options, found, views, per_param)
+            found += _block_options(result, trace, cluster, options, found, views, per_param, placement)
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=_fastest) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
@@ -392,7 +403,8 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
 
 
 def _ep_candidates(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
-                   views: dict[tuple, Trace], per_param: tuple[bool, ...]) -> list[EPOption]:
+                   views: dict[tuple, Trace], per_param: tuple[bool, ...],
+                   placement: ShardPlacement | None) -> list[EPOption]:
     """``with_auto_ep``'s options: auto's plan under ``degrees`` (none: without EP too, as searched) on its layout,
     then on auto's other layouts (``hsdp_ep_options``); the user's EP that the chosen layout's dp_shard does not take
     runs on the others that do (refused where none does)."""
@@ -402,7 +414,7 @@ def _ep_candidates(result: AutoResult, trace: Trace, cluster: Cluster, options: 
     refused = None
     try:
         found = ep_options(trace, written, cluster, plan_options(written, options), degrees=degrees, views=views,
-                           per_param=per_param)
+                           placement=placement, per_param=per_param)
     except PlannerError as e:  # the user's EP does not divide the chosen layout's dp_shard: another layout's may
         if not degrees:
             raise
@@ -411,7 +423,7 @@ def _ep_candidates(result: AutoResult, trace: Trace, cluster: Cluster, options: 
         found = found[1:]  # the user's EP, not the plan without it
     else:
         found[0] = replace(found[0], plan=result.plan, step=result.report)  # no EP: auto's own plan, as searched
-    found += hsdp_ep_options(result, trace, cluster, options, views, degrees, per_param)
+    found += hsdp_ep_options(result, trace, cluster, options, views, degrees, per_param, placement)
     if not found and refused is not None:
         raise refused
     return found
@@ -467,19 +479,22 @@ def _option(like: EPOption, plan: Plan, views: dict[tuple, Trace], cluster: Clus
                    in_full=in_full or like.in_full)
 
 
-BLOCK_OPTIONS = 3  # the layouts of torchtitan's grouping whose checkpointing is fitted (``_block_options``)
+BLOCK_OPTIONS = 3  # the layouts of torchtitan's grouping whose checkpointing is fitted (``_block_options``),
+# beside each layout's and placement's fastest
 
 
 def _block_options(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, found: list[EPOption],
-                   views: dict[tuple, Trace], per_param: tuple[bool, ...] = BOTH_PLACEMENTS) -> list[EPOption]:
+                   views: dict[tuple, Trace], per_param: tuple[bool, ...] = BOTH_PLACEMENTS,
+                   placement: ShardPlacement | None = None) -> list[EPOption]:
     """Where nothing fit without EP, torchtitan's grouping (the titan baseline: a group per block) under each EP
     degree screened, in each of ``per_param``'s placements, on the degree's best layout and on pure FSDP, every block
-    checkpointed in full; the ``BLOCK_OPTIONS`` fastest of those then with the fewest leading blocks checkpointed in
-    full that let them fit. Auto's own groups were chosen for a step EP did not shrink, and can be slower under EP
-    than the expert's (Qwen3.5-397B-A17B on 256 H100s, EP 64: auto's groups 5.86 s a step on HSDP 2x128, titan's with
-    every block checkpointed 5.56 s on 1x256); nor need torchtitan's grouping run best at the degree or placement
-    auto's groups do (DeepSeek-V3 on 256 H100s: auto's groups best at EP 256 in the experts' own calls, 9.09 s;
-    torchtitan's at EP 64 in their blocks' calls, 9.02 s with every block checkpointed)."""
+    checkpointed in full; the ``BLOCK_OPTIONS`` fastest of those, and each layout's and placement's fastest, then
+    with the fewest leading blocks checkpointed in full that let them fit (``placement``: the shard dims). Auto's
+    own groups were chosen for a step EP did not shrink, and can be slower under EP than the expert's
+    (Qwen3.5-397B-A17B on 256 H100s, EP 64: auto's groups 5.86 s a step on HSDP 2x128, titan's with every block
+    checkpointed 5.56 s on 1x256); nor need torchtitan's grouping run best at the degree or placement auto's groups
+    do (DeepSeek-V3 on 256 H100s: auto's groups best at EP 256 in the experts' own calls, 9.09 s; torchtitan's at
+    EP 64 in their blocks' calls, 9.02 s with every block checkpointed)."""
     titan = next((c for name, c in result.baselines.items() if name.startswith("titan")), None)
     screened = [o for o in found if o.degree > 1 and o.plan.tp_degree == 1]
     if titan is None or not screened or trace.tensor_parallel or titan.plan.tp_degree > 1:  # (TP's EP: its own)
@@ -501,7 +516,7 @@ def _block_options(result: AutoResult, trace: Trace, cluster: Cluster, options: 
                 plan = base.replace(mesh=None if mesh == flat else mesh)
                 try:
                     ep_plan = with_expert_parallel(plan, trace, like.degree, like.plan.expert_parallel.skew,
-                                                   plan.shard_size(cluster.world_size), per_param_mesh=per_param_mesh)
+                                                   plan.shard_size(cluster.world_size), placement, per_param_mesh)
                 except PlannerError:  # (a degree the layout's shard ranks do not take)
                     continue
                 key = ep_plan.expert_parallel.signature()
@@ -511,8 +526,13 @@ def _block_options(result: AutoResult, trace: Trace, cluster: Cluster, options: 
                 in_full.append(EPOption(like.degree, False, full, simulate(views[key], full, cluster,
                                                                            plan_options(full, options),
                                                                            timeline=False), titan_groups=own))
+    ranked = sorted(in_full, key=lambda o: _rank(o, result))
+    firsts: dict[tuple, EPOption] = {}  # each layout's and placement's fastest too: a wider shard holds less, so
+    for o in ranked:  # it may fit with fewer blocks checkpointed (DeepSeek-V3 on 512 H100s, EP 32: in full 2x256
+        # ran faster than 1x512, which fit with 48 blocks where 2x256 needed 55, 8.40 against 8.51 s)
+        firsts.setdefault((o.plan.mesh, o.plan.expert_parallel.per_param_mesh), o)
     fitted = []
-    for o in sorted(in_full, key=lambda o: _rank(o, result))[:BLOCK_OPTIONS]:
+    for o in {id(o): o for o in [*ranked[:BLOCK_OPTIONS], *firsts.values()]}.values():
         none = _option(o, o.plan.replace(activation_checkpointing=()), views, cluster, options)
         fitted.append(_checkpointed_to_fit(none, views[o.plan.expert_parallel.signature()], blocks, cluster,
                                            options, result.memory.fits))
@@ -585,7 +605,8 @@ def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str
                  "without --compile to screen it")
         return result
     if result.plan.tp_degree == 1:
-        return with_auto_ep(result, trace, cluster, options, (), note, per_param_meshes(policy.ep_placement))
+        return with_auto_ep(result, trace, cluster, options, (), note, per_param_meshes(policy.ep_placement),
+                            screen_placement(policy))
     if len(policy.tensor_parallel) <= 1 or policy.mesh is not None:  # a TP layout or mesh the user fixed: as asked
         return result
     flat_policy = replace(policy, tensor_parallel=())
@@ -593,7 +614,8 @@ def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str
     # plans and seconds are counted in ``result``'s already)
     done = result.searched_without_tp(flat_policy, trace)
     searched = replace(done, evaluated=0, seconds=0.0) if done is not None else flat_policy.search(trace, model)
-    flat = with_auto_ep(searched, trace, cluster, options, (), note, per_param_meshes(policy.ep_placement))
+    flat = with_auto_ep(searched, trace, cluster, options, (), note, per_param_meshes(policy.ep_placement),
+                        screen_placement(policy))
     return faster(result, flat)
 
 
@@ -715,7 +737,7 @@ def screen_ep_tp(layout: ScreenedLayout, degrees: tuple[int, ...], options: SimO
         plan = plan.replace(activation_checkpointing=())
     # dim-1 sharding (auto's way out) where dim 0 would pad: E / EP experts stacked on dim 0 can be fewer than the
     # shard ranks
-    placement = ShardPlacement.AUTO if layout.policy.chooses_placement() else None
+    placement = screen_placement(layout.policy)
     if placement is not None:
         plan = plan.replace(shard_dims=shard_dims(layout.trace, layout.ev.ctx.shard, placement))
     views: dict[tuple, Trace] = {}

@@ -33,6 +33,7 @@ from fsdp_planner.planners.expert_parallel import (
     expert_modules,
     per_param_meshes,
     runs_ep,
+    screen_placement,
     token_list_experts,
     with_auto_ep,
     with_own_ep,
@@ -252,7 +253,7 @@ class Points:
             out = dataclasses.replace(result, fits=False)
         else:
             out = with_auto_ep(result, self._trace(key), cluster, self.job.options, (ep,),
-                               per_param=per_param_meshes(policy.ep_placement))
+                               per_param=per_param_meshes(policy.ep_placement), placement=screen_placement(policy))
         self._before_ep[id(out)] = (out, result)  # (out kept alive: its id stays its own)
         return out
 

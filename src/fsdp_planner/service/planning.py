@@ -40,6 +40,7 @@ from fsdp_planner.planners.expert_parallel import (
     per_param_meshes,
     runs_ep,
     screen_ep_tp,
+    screen_placement,
     token_list_experts,
     with_auto_ep,
     with_expert_parallel,
@@ -309,7 +310,8 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         def screened(found: AutoResult, note: Callable[[str], None] | None) -> AutoResult:
             if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
                 return with_auto_ep(found, tr, cluster, options, (ep,),
-                                    per_param=per_param_meshes(request.ep_placement))
+                                    per_param=per_param_meshes(request.ep_placement),
+                                    placement=screen_placement(policy))
             if own and (runs_ep(spec, tr, 1) or not found.fits):
                 # auto's own EP screen (no TP); of experts EP is simulated for only (``runs_ep``), where nothing fits
                 return with_own_ep(found, policy, tr, spec.name, cluster, options, note)
@@ -360,7 +362,7 @@ def with_ep_at_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: M
         policy = make_policy(request, cluster, options, layouts)
         assert isinstance(policy, AutoPolicy)
         found = with_auto_ep(policy.search(tr, spec.name), tr, cluster, options, degrees, reporter.note,
-                             per_param_meshes(request.ep_placement))
+                             per_param_meshes(request.ep_placement), screen_placement(policy))
     return faster(result, found)
 
 
@@ -406,7 +408,8 @@ def with_ep_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: Mode
     with reporter.progress(f"auto: searching plans for {cluster.name} with {choice.tp.describe()}"):
         searched = _full_search(best.layout, spec.name)
         found = with_auto_ep(searched, choice.trace, cluster, options, ep_tp[choice.tp.degree],
-                             per_param=per_param_meshes(request.ep_placement))
+                             per_param=per_param_meshes(request.ep_placement),
+                             placement=screen_placement(best.layout.policy))
     found = best.faster(found, searched.plan.policy)
     for name, c in found.meshes.items():  # its EP screen's lines, of its searched groups, where faster
         if name not in lines or _ahead(c, lines[name], found):

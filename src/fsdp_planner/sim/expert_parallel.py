@@ -87,6 +87,17 @@ def ep_view(trace: Trace, plan: Plan) -> EPView:
     return EPView(view, ep)
 
 
+def ep_params(trace: Trace, plan: Plan) -> Trace:
+    """``ep_view``'s params alone (the experts' E / EP local shards), the step's events left as they are: what a
+    param's shard placement reads, at a fraction of the view's cost (a 671B model's view rebuilds every event)."""
+    ep = plan.expert_parallel
+    chosen = expert_param_indices(plan, trace)
+    params = list(trace.params)
+    for i in chosen:
+        params[i] = _local_param(params[i], ep.degree)
+    return replace(trace, params=tuple(params), expert_parallel=ep.signature(), expert_params=chosen)
+
+
 def token_split(trace: Trace, experts: Sequence[str], degree: int) -> int:
     """Over how many TP ranks the experts' routed tokens are split: 1 without TP; in a TP view, its degree, where
     its layout splits every expert module's tokens (``TPStyle.TOKEN_SPLIT``) and the EP degree is a multiple of
