@@ -322,7 +322,7 @@ def test_a_gpu_no_preset_describes_needs_a_base(tmp_path: Path, names: list[str]
 def test_what_a_fit_leaves_out_or_cannot_see_is_said(tmp_path: Path) -> None:
     """A log of three sizes of 2 GiB and more fitted a latency of 0.0 us, one whose out-of-place times were 1,000x
     its in-place ones fitted a line 71% off its samples, and dropped outliers were never mentioned (a trial). Each
-    is said in a note; the clean all-gather fixture has none."""
+    is said in a note, a fit over half off its samples refused; the clean all-gather fixture has none."""
     lines = AG8.read_text().splitlines(keepends=True)
     rows = [i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith(("#", "NCCL"))]
 
@@ -344,7 +344,17 @@ def test_what_a_fit_leaves_out_or_cannot_see_is_said(tmp_path: Path) -> None:
         return "  ".join(fields) + "\n"
 
     loose = "".join(slowed(line) if i in rows else line for i, line in enumerate(lines))
-    assert any("off the fitted line (root mean square)" in n for n in notes(loose))
+    with pytest.raises(PlannerError, match=r"off any line \(root mean square\), so the log's runs or its in- and "
+                                           "out-of-place columns disagree"):  # (said once, and nothing written)
+        notes(loose)
+
+    def off(line: str) -> str:  # the out-of-place time x 2: 32% off, said (x 4: 52%, refused)
+        fields = line.split()
+        fields[5] = f"{float(fields[5]) * 2:.2f}"
+        return "  ".join(fields) + "\n"
+
+    looser = "".join(off(line) if i in rows else line for i, line in enumerate(lines))
+    assert any("off the fitted line (root mean square)" in n for n in notes(looser)), notes(looser)
     said: list[str] = []
     fit_logs(RS8, note=said.append)  # (its one 3x hiccup)
     assert said == [f"reduce_scatter over 8 ranks ({RS8}): 1 of 58 samples left out of the fit as outliers, far off "

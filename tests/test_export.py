@@ -617,7 +617,7 @@ def test_export_sets_the_precision_the_plan_was_made_in(tmp_path, capsys) -> Non
     assert f"PRECISION: str = {DEFAULT_PRECISION!r}" in capsys.readouterr().out
 
 
-def test_export_says_the_optimizer_the_plan_was_made_with(tmp_path, capsys) -> None:
+def test_export_and_simulate_say_the_optimizer_and_precision_the_plan_was_made_with(tmp_path, capsys) -> None:
     """`plan --out` records its --optimizer; every export names it (the torchtitan job sets it: test_torchtitan_
     registry), a hand-written plan's none; a plan file's optimizer that is none of fsdp-planner's is refused."""
     from fsdp_planner.apply.export import OPTIMIZER_CALLS
@@ -638,8 +638,17 @@ def test_export_says_the_optimizer_the_plan_was_made_with(tmp_path, capsys) -> N
     for given, said in (([], True), (["--optimizer", "sgd-momentum"], False)):  # simulate says which it runs
         capsys.readouterr()
         assert main(["simulate", "toy-llama", "--plan", str(plan), "--cluster", "h100:8", *given]) == 0
-        assert (("the plan was made with --optimizer sgd-momentum and this command simulates adamw: add --optimizer "
+        assert (("the plan was made with --optimizer sgd-momentum and this command runs adamw: add --optimizer "
                  "sgd-momentum for the figures it was planned with") in capsys.readouterr().err) == said
+    # its precision too (a trial's fp32 plan was simulated and verified in bf16-mixed without a word)
+    fp32 = tmp_path / "fp32.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--precision", "fp32", "--out", str(fp32), "--quiet"]) == 0
+    for command, given, said in (("simulate", [], True), ("simulate", ["--precision", "fp32"], False),
+                                 ("verify", ["--fake-world-size", "2"], True)):
+        capsys.readouterr()
+        assert main([command, "toy-llama", "--plan", str(fp32), "--cluster", "h100:2", *given]) == 0
+        assert (("the plan was made with --precision fp32 and this command runs bf16-mixed: add --precision fp32 "
+                 "for the figures it was planned with") in capsys.readouterr().err) == said
     data = json.loads(plan.read_text())
     data["optimizer"] = "lamb"
     plan.write_text(json.dumps(data))

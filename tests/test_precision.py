@@ -47,6 +47,14 @@ def test_plan_refuses_a_model_that_fails_in_bf16_naming_the_op_module_and_way_ou
     assert "internal error" not in err and "note" not in err
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_an_integer_operand_of_a_matmul_is_refused_as_real_kernels_refuse_it(capsys, precision):
+    code, out, err = run_main(capsys, "plan", f"{MODELS}:ids_into_linear", "--policy", "order", "--precision",
+                              precision)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "MixedDtypeError: aten.addmm got " in err and "and int64 operands" in err and "--precision fp32" not in err
+
+
 def test_the_same_model_plans_in_fp32(capsys):
     code, out, err = run_main(capsys, "plan", MATMUL, "--policy", "order", "--precision", "fp32")
     assert code == 0 and "error" not in err and "order" in out

@@ -91,9 +91,20 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_json(text: str, message: Callable[[str], str]) -> Any:
+# The most values a JSON file may hold (counted from its commas and brackets, strings' included): a plan of a
+# million params holds about that many, and Python builds each value as an object, ~64 bytes for an empty one (a
+# trial's 198 MB file of empty objects took 5.2 GB before a later check refused it).
+MAX_JSON_VALUES = 4_000_000
+
+
+def parse_json(text: str | bytes, message: Callable[[str], str]) -> Any:
     """``json.loads``; on bad input, a PlannerError whose line is ``message(what is wrong)``. A key repeated in an
-    object is refused: Python's reader (and transformers') would keep its last value, silently."""
+    object is refused: Python's reader (and transformers') would keep its last value, silently. A text of more
+    than ``MAX_JSON_VALUES`` values is refused before it is read."""
+    marks = (",", "{", "[") if isinstance(text, str) else (b",", b"{", b"[")
+    if sum(text.count(m) for m in marks) > MAX_JSON_VALUES:
+        raise PlannerError(message(f"it holds more than {MAX_JSON_VALUES:,} values, far more than any it stands "
+                                   "for"))
     try:
         data = json.loads(text, object_pairs_hook=unique_keys)
         if LONE_SURROGATE.search(text) and (bad := _unwritable(data)) is not None:

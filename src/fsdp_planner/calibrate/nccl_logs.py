@@ -451,19 +451,31 @@ def fit_logs(
         a, bw, rms, dropped = fit_samples(samples, n, what=what)
         if len(ts) > 1:
             _note_disagreement(ts, k, n, note)
-        largest = max(size for size, _ in samples)
-        if (n - 1) / n * largest / bw < a:  # every row latency-bound: the slope is noise (a log cut at 32 KiB
-            # fitted 1.8 TB/s where its GPUs ran 300 GB/s)
-            raise PlannerError(f"cannot fit {what}: its largest size, {fmt_bytes(largest)}, still takes mostly "
-                               "latency, so the log shows no bandwidth (a log cut short?); run nccl-tests up to "
-                               "large sizes, e.g. -b 8 -e 8G -f 2")
+        _check_fit(what, samples, n, a, bw, rms)
         _note_fit(what, samples, n, (a, bw, rms, dropped), note)
         fits.append(Fit(k, n, a, bw, rms, len(samples) - dropped, dropped, srcs))
     return usable, fits
 
 
+def _check_fit(what: str, samples: list[tuple[int, float]], ranks: int, alpha: float, busbw: float,
+               rms: float) -> None:
+    """Refuse a fit that measures nothing: every row latency-bound (the slope is noise: a log cut at 32 KiB
+    fitted 1.8 TB/s where its GPUs ran 300 GB/s), or samples far off any line (a trial's log 82% off its line was
+    written as a cluster, exit 0, beside a note that called the line no measurement)."""
+    largest = max(size for size, _ in samples)
+    if (ranks - 1) / ranks * largest / busbw < alpha:
+        raise PlannerError(f"cannot fit {what}: its largest size, {fmt_bytes(largest)}, still takes mostly "
+                           "latency, so the log shows no bandwidth (a log cut short?); run nccl-tests up to "
+                           "large sizes, e.g. -b 8 -e 8G -f 2")
+    if rms > UNFIT:
+        raise PlannerError(f"cannot fit {what}: its samples sit {rms:.0%} off any line (root mean square), so the "
+                           "log's runs or its in- and out-of-place columns disagree and no latency or bandwidth "
+                           "stands for them; give the log of one clean run")
+
+
 LATENCY_SEEN = 0.05  # the latency's share of the smallest size's time below which the log does not measure it
 LOOSE_FIT = 0.25  # the kept samples' relative rms off the line from which the fit is said to be loose
+UNFIT = 0.5  # ... and from which it is refused
 
 
 def _note_fit(what: str, samples: list[tuple[int, float]], ranks: int, fit: tuple[float, float, float, int],

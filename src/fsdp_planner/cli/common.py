@@ -69,10 +69,10 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
 
 
 def load_plan(path: str, tr: Trace, model: ModelSpec | str, world: int | None = None,
-              micro_batches: int | None = None, optimizer: str | None = None, text: str | None = None) -> Plan:
+              options: SimOptions | None = None, text: str | None = None) -> Plan:
     """The plan file for the traced ``model``, checked (``service/plan_files.py``; against ``world`` ranks too),
     its notes on stderr (``text``: the plan's JSON held elsewhere, ``path`` naming where)."""
-    return plan_files.load_plan(path, tr, model, render.note, world, micro_batches, optimizer, text)
+    return plan_files.load_plan(path, tr, model, render.note, world, options, text)
 
 
 def run_flags(job: PlanJob, split: bool, workload: bool = False, written: Plan | None = None) -> str:

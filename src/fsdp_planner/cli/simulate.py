@@ -76,8 +76,8 @@ def _run(args: argparse.Namespace) -> int:
         plans = [(_label(s, p), with_reshard(p, config.reshard) if i == 0 and config else p)
                  for i, s in enumerate(sources) for p in [_plan(tr, s, model_spec(args), cluster, options)]]
     if config is not None and config.plan is not None:  # an export's job runs the plan it holds
-        held = load_plan(f"{config.path}'s {PLAN_NAME}", tr, model_spec(args), cluster.world_size,
-                         options.micro_batches, options.optimizer.name, config.plan)
+        held = load_plan(f"{config.path}'s {PLAN_NAME}", tr, model_spec(args), cluster.world_size, options,
+                         config.plan)
         plans[0] = (f"{config.path} ({held.policy})" if held.policy else config.path, held)
     if args.against is not None:
         if len(plans) > 1:
@@ -184,8 +184,7 @@ def short_label(label: str) -> str:
 
 def _plan(tr: Trace, source: PlanSource, model: ModelSpec, cluster: Cluster, options: SimOptions) -> Plan:
     if source.plan_file is not None:
-        return load_plan(str(source.plan_file), tr, model, cluster.world_size, options.micro_batches,
-                         options.optimizer.name)
+        return load_plan(str(source.plan_file), tr, model, cluster.world_size, options)
     assert source.policy is not None
     return policy_plan(tr, source.policy, model, cluster, options)  # checked against the cluster
 

@@ -612,7 +612,7 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     if cfg.plan is not None:  # an export's job: its parallelize_fn applies the plan it holds, not torchtitan's groups
         assert job.cluster is not None
         held = load_plan(f"{cfg.path}'s {PLAN_NAME}", tr, job.model, reporter.note, job.cluster.world_size,
-                         job.options.micro_batches, job.options.optimizer.name, text=cfg.plan)
+                         job.options, text=cfg.plan)
         traced = given_outcome(job, tr, held)
         kw = with_held_float8(kw, held)
 

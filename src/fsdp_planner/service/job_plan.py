@@ -24,8 +24,7 @@ def job_plan(tr: Trace, plan_file: Path | None, policy: PolicyRequest | None, mo
     """The plan to run: the plan file's, checked against the model, or the policy's (auto's for ``cluster``);
     checked against ``world`` ranks when given."""
     if plan_file is not None:
-        plan = load_plan(str(plan_file), tr, model, reporter.note, world, options.micro_batches,
-                         options.optimizer.name)
+        plan = load_plan(str(plan_file), tr, model, reporter.note, world, options)
     else:
         assert policy is not None
         plan = policy_plan(tr, policy, model, cluster, options, reporter, world)

@@ -19,6 +19,7 @@ from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model, wr
 from fsdp_planner.planners.expert_parallel import check_ep_applies, ep_note, expert_modules
 from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout, tp_layout
 from fsdp_planner.service.tracing import LOCAL_STYLES, WHOLE_ON_EACH_RANK, check_local_shapes
+from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.chunked_loss import output_layer, output_tokens
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
@@ -28,13 +29,12 @@ CHUNKS_DIFFER = "the plan runs the loss in"  # how the note on a plan's chunks t
 
 
 def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str], None],
-              world: int | None = None, micro_batches: int | None = None, optimizer: str | None = None,
-              text: str | None = None) -> Plan:
+              world: int | None = None, options: SimOptions | None = None, text: str | None = None) -> Plan:
     """The plan file for the traced ``model``, checked (against ``world`` ranks too, when given) before its notes
-    (what its EP leaves out; a plan made for another attention kernel, another ``optimizer`` than the command's, or
-    another step than the command's ``micro_batches`` of the model's workload on ``world`` ranks); a hand-written one
-    (module lists) gets its params derived. ``text``: the plan's JSON held elsewhere (an export's), ``path`` naming
-    where."""
+    (what its EP leaves out; a plan made for another attention kernel, another precision or optimizer than the
+    command's ``options``, or another step than their micro-batches of the model's workload on ``world`` ranks); a
+    hand-written one (module lists) gets its params derived. ``text``: the plan's JSON held elsewhere (an export's),
+    ``path`` naming where."""
     read = Plan.load(path) if text is None else Plan.from_json(text, path)
     plan = checked_on_model(read, path, tr, model, note, world)
     if (said := ep_note(plan, tr, as_spec(model))) is not None:
@@ -44,11 +44,13 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
         note(f"the plan was made for --attention {plan.attention} and this command traced "
                     f"{asked or 'the default kernel'}: add --attention {plan.attention} for the figures it was "
                     "planned with")
-    if (said := _other_workload(plan, as_spec(model), world, micro_batches)) is not None:
+    if (said := _other_workload(plan, as_spec(model), world, options and options.micro_batches)) is not None:
         note(said)
-    if optimizer is not None and plan.optimizer and plan.optimizer != optimizer:
-        note(f"the plan was made with --optimizer {plan.optimizer} and this command simulates {optimizer}: add "
-             f"--optimizer {plan.optimizer} for the figures it was planned with")
+    for flag, made, runs in (("precision", plan.precision, options and options.precision.name),
+                             ("optimizer", plan.optimizer, options and options.optimizer.name)):
+        if runs and made and made != runs:  # (a command runs what it is told; the plan's is said)
+            note(f"the plan was made with --{flag} {made} and this command runs {runs}: add --{flag} {made} for "
+                 "the figures it was planned with")
     for said in traced_otherwise(plan, tr):
         note(said)
     return plan

@@ -18,7 +18,7 @@ import torch
 from fsdp_planner.trace.tree import ROOT
 
 _aten = torch.ops.aten
-# Ops whose CPU and CUDA kernels require one dtype for all floating operands (their meta kernels do not check).
+# Ops whose CPU and CUDA kernels require one dtype for all their operands (their meta kernels do not check).
 SAME_DTYPE_OPS = frozenset({_aten.mm, _aten.bmm, _aten.addmm, _aten.baddbmm, _aten.addbmm, _aten.mv, _aten.addmv,
                             _aten.dot, _aten.vdot, _aten.convolution})
 # Normalizations: the input first, then weight, bias (and a batch norm's running stats). Real kernels take params of
@@ -32,7 +32,7 @@ LOSS = "\0loss"  # ``FailedOp.module`` of an op the factory's loss_fn ran, after
 
 
 class MixedDtypeError(RuntimeError):
-    """A matmul or convolution on operands of different floating dtypes: every real kernel refuses it."""
+    """A matmul or convolution on operands of different dtypes: every real kernel refuses it."""
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,16 @@ def op_name(func: Any) -> str:
 
 
 def check_operand_dtypes(func: Any, args: tuple) -> None:
-    """Raise ``MixedDtypeError`` for an op of ``SAME_DTYPE_OPS`` whose floating tensor operands differ in dtype,
+    """Raise ``MixedDtypeError`` for an op of ``SAME_DTYPE_OPS`` whose tensor operands differ in dtype,
     or a normalization (``NORM_OPS``) whose params no real kernel takes with its input."""
     packet = func._overloadpacket
     if packet not in SAME_DTYPE_OPS and packet not in NORM_OPS:
         return
-    floating = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
-    dtypes = set(floating)
+    tensors = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+    floating = [d for d in tensors if d.is_floating_point]
+    # a matmul's integer operand beside floating ones too (a batch of token ids fed to a Linear: a trial's model
+    # planned and checked fine, then failed on every rank)
+    dtypes = set(tensors if packet in SAME_DTYPE_OPS else floating)
     if len(dtypes) <= 1:
         return
     if packet in NORM_OPS:
