@@ -106,6 +106,40 @@ def test_block_class_is_the_layer_a_stage_stacks(depths):
     assert len(plan.groups) - 1 == sum(depths)
 
 
+class _SharedLayer(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.ff1, self.ff2 = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.ff2(torch.relu(self.ff1(self.norm(x))))
+
+
+class _Albert(torch.nn.Module):
+    """ALBERT's layout: one layer whose weights every step of the stack shares, no container."""
+
+    def __init__(self, dim: int = 16, repeats: int = 6) -> None:
+        super().__init__()
+        self.embed, self.proj = torch.nn.Linear(8, dim), torch.nn.Linear(dim, dim)
+        self.layer, self.repeats = _SharedLayer(dim), repeats
+        self.pool, self.cls = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, 2)
+
+    def forward(self, x):
+        x = self.proj(self.embed(x))
+        for _ in range(self.repeats):
+            x = self.layer(x)
+        return self.cls(torch.tanh(self.pool(x)))
+
+
+def test_block_class_is_the_layer_a_model_calls_again_and_again():
+    """A layer the step calls six times (ALBERT's shared layer) is the block: its Linears, the repeated class with
+    the most params, were taken for it, and module wrapping left half the params in the root (a trial)."""
+    tr = record(_Albert(), (torch.randn(2, 8),))
+    assert default_block_class(tr) == "_SharedLayer"
+    assert [g.modules for g in ModuleWrapPolicy().plan(tr).groups] == [("layer",), ("",)]
+
+
 class _Mixer(torch.nn.Module):
     """A Mamba-like mixer: it reads its child's weight itself (as Jamba's reads ``dt_proj.weight``)."""
 

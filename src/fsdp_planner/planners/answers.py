@@ -310,8 +310,8 @@ def compile_answer(other: Trace, plan: Plan, cluster: Cluster, options: SimOptio
         try:
             check_compiled_groups(plan, other.compiled)
         except PlannerError as e:  # said, not silent: the user would otherwise try --compile on this plan
-            return Finding(Severity.INFO, Code.COMPILE_PAYS, "torch.compile of the repeated blocks (--compile): not "
-                           "compared for this plan", str(e))
+            return Finding(Severity.INFO, Code.COMPILE_PAYS, "torch.compile of the repeated blocks (what --compile "
+                           "runs): not compared for this plan", str(e))
     alt = _step(other, plan, cluster, options)
     if alt is None:
         return None

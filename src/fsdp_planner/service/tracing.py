@@ -360,7 +360,8 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
     alike = alike_blocks(tr, blocks)
     distinct = len(set(alike.values()))
     if distinct >= SLOW_COMPILES:
-        note(f"--compile: {distinct} of the model's {len(blocks)} blocks ran differently in the eager trace, so "
+        note(f"compiling the blocks (--compile, or --explain comparing it): {distinct} of the model's {len(blocks)} "
+             "blocks ran differently in the eager trace, so "
              "AOTAutograd partitions each, and again per selective checkpointing policy: seconds a block, minutes "
              "in all")
     try:
