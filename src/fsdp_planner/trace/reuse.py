@@ -200,6 +200,9 @@ class ActionLog(StepRecorder):
     def modified_input(self, fqn: str) -> None:
         self._log(("modified_input", self.relative(fqn)))
 
+    def aliased_input(self, fqn: str) -> None:
+        self._log(("aliased_input", self.relative(fqn)))
+
     def modified_output(self, fqns: tuple[str, ...]) -> None:
         # (a module outside the call's subtree: the caller's own, which the step's recorder sees)
         inside = tuple(f[len(self.prefix):] for f in fqns if f.startswith(self.prefix))
@@ -894,6 +897,8 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             main.own_region(action[1], action[2])
         elif kind == "modified_input":
             main.modified_input(prefix + action[1])
+        elif kind == "aliased_input":
+            main.aliased_input(prefix + action[1])
         elif kind == "modified_output":
             main.modified_output(tuple(prefix + f for f in action[1]))
         elif kind == "modified_topk":

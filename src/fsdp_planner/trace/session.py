@@ -201,7 +201,8 @@ class TraceSession:
         seconds = tuple(self.ops.seconds.get(i, 0.0) for i in range(len(events))) if self.request.measure else None
         params = [p if i in got_grad else replace(p, gets_grad=False) for i, p in enumerate(model.params)]
         modules = module_infos(model.walk, params, model.param_objs, events, recorder.calls, recorder.modified_inputs,
-                               recorder.modified_outputs, recorder.modified_topks, recorder.input_dims)
+                               recorder.modified_outputs, recorder.modified_topks, recorder.input_dims,
+                               recorder.aliased_inputs)
         return Trace(params=tuple(params), modules=modules, events=tuple(events), fingerprint=model.fingerprint,
                      method_calls=dict(recorder.method_calls), loss_blocks=recorder.loss.blocks,
                      compute_itemsize=None if dtype is None else dtype.itemsize,

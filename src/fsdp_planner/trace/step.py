@@ -70,7 +70,7 @@ class StepRecorder:
         self.gradients = Gradients(lambda: self.position())  # those of them alive now (``Event.grad_live``)
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
-        self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
+        self.modified_inputs, self.aliased_inputs = set[str](), set[str]()  # (``modified_input``, ``aliased_input``)
         self.input_dims: dict[str, int] = {}  # module -> dims of the first tensor its first call was given (-1: none)
         # modules whose output an op after their call modified in place, and whose topk's outputs one did (``Slot``)
         self.modified_outputs, self.modified_topks = set[str](), set[str]()
@@ -462,6 +462,10 @@ class StepRecorder:
         """A call of ``fqn`` (now ending) modified one of its grad-requiring inputs in place."""
         self.modified_inputs.add(fqn)
 
+    def aliased_input(self, fqn: str) -> None:
+        """A call of ``fqn`` (now starting) was given one grad-requiring tensor in two inputs or more."""
+        self.aliased_inputs.add(fqn)
+
     def modified_output(self, fqns: tuple[str, ...]) -> None:
         """The output of these modules' calls (one tensor, that each returned) was modified in place after: no TP
         style can return it (a DTensor's local tensor is a view autograd refuses to modify in place)."""
@@ -798,6 +802,9 @@ class NullRecorder(StepRecorder):
         pass
 
     def modified_input(self, fqn: str) -> None:
+        pass
+
+    def aliased_input(self, fqn: str) -> None:
         pass
 
     def modified_output(self, fqns: tuple[str, ...]) -> None:

@@ -13,8 +13,8 @@ from fsdp_planner.trace.walk import ModuleWalk
 
 def module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.Parameter], events: list[Event],
                  calls: dict[str, int], modified_inputs: set[str], modified_outputs: set[str],
-                 modified_topks: set[str] = frozenset(), input_dims: dict[str, int] | None = None
-                 ) -> dict[str, ModuleInfo]:
+                 modified_topks: set[str] = frozenset(), input_dims: dict[str, int] | None = None,
+                 aliased_inputs: set[str] = frozenset()) -> dict[str, ModuleInfo]:
     """One ModuleInfo per module object, with its real children and the stats of its calls (``modified_inputs``:
     modules a call of which modified its grad-requiring inputs in place; ``modified_outputs``: modules whose
     call's output was modified in place after it returned; ``modified_topks``: modules whose ``topk``'s outputs
@@ -37,6 +37,7 @@ def module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.
             records_outputs=bool(getattr(type(m), "_can_record_outputs", None)),
             input_dims=input_dims.get(fqn, -1), from_transformers=type(m).__module__.startswith("transformers."),
             output_modified=fqn in modified_outputs, topk_modified=fqn in modified_topks,
+            aliased_inputs=fqn in aliased_inputs,
             torch_class=_torch_class(m), plain_torch_class=type(m) in (nn.Linear, nn.Embedding),
             running_stats=bool(m.training and getattr(m, "track_running_stats", False)
                                and isinstance(getattr(m, "running_mean", None), torch.Tensor)),
