@@ -22,12 +22,16 @@ from fsdp_planner.trace.tree import ROOT, parent_of, proper_ancestors
 
 def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tuple[list[str], int]]:
     """Indivisible units with their bytes, sorted by the first use of their params (unused ones last): modules
-    that own params, merged when they share (tied) params or lie in the same ``whole`` module. Params registered
-    on the root module (and modules sharing a param with it) are in no atom: only the root's own ``fully_shard``
-    can manage them."""
+    that own params, merged when they share (tied) params or lie in the same ``whole`` module, or in the caller of a
+    module given one tensor in several inputs (``ModuleInfo.aliased_inputs``: listed alone, FSDP2's hooks would hand
+    it distinct tensors, and nn.MultiheadAttention would run other than traced). Params registered on the root
+    module (and modules sharing a param with it) are in no atom: only the root's own ``fully_shard`` can manage
+    them."""
     root_tied = {o for p in trace.params if ROOT in p.owners for o in p.owners}
     owners = [m for m in trace.index.owning_modules if m not in root_tied and m != ROOT]
     parent = {m: m for m in owners}
+    whole = [*whole, *(up for m, info in trace.modules.items() if info.aliased_inputs and m != ROOT
+                       and (up := parent_of(m)) != ROOT)]
 
     def find(x: str) -> str:
         while parent[x] != x:
