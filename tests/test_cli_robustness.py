@@ -72,6 +72,23 @@ def no_params():
     return nn.ReLU(), (torch.randn(4, 8),)
 
 
+def needs_an_argument(width):
+    return nn.Linear(width, 4), (torch.randn(4, width),)
+
+
+class Unread(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * 2
+
+
+def reads_no_param():
+    return Unread(), (torch.randn(4, 8),)
+
+
 def single_linear():
     return nn.Linear(8, 4), (torch.randn(4, 8),)
 
@@ -485,6 +502,10 @@ def test_verify_rejects_bad_counts_before_tracing(capsys, monkeypatch, args, mes
     ("exits_in_loss", "the model's code called sys.exit(5) while running the forward, backward or loss_fn"),
     ("frozen", "has no trainable parameters (all 4 have requires_grad=False)"),
     ("no_params", "has no parameters: there is nothing for FSDP to shard"),
+    # (a trial: torch's TypeError was said at fsdp-planner's own line; autograd's refusal in its own words alone)
+    ("needs_an_argument", "cannot be called with no arguments, as fsdp-planner calls it (missing a required "
+     "argument: 'width'): give its other parameters defaults"),
+    ("reads_no_param", "; the loss depends on no trainable param"),
 ])
 def test_user_model_mistakes_are_one_line(capsys, user_models, fn, message):
     code, out, err = run_main(capsys, "plan", f"{user_models}:{fn}", "--policy", "order")

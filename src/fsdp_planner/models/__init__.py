@@ -502,6 +502,20 @@ def _meta_hint(e: Exception) -> str:
             "tensor the constructor reads values from (.tolist(), .item()) with device='cpu'")
 
 
+def _check_callable_so(factory: Callable[..., Any], kwargs: dict[str, Any], spec: str) -> None:
+    """Refuse a factory that the keyword arguments fsdp-planner gives cannot call, before calling it: its
+    TypeError was reported at fsdp-planner's own line, as if the planner had failed (a trial's ``def build(x)``)."""
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        given = f"with {', '.join(f'{k}=' for k in kwargs)} only" if kwargs else "with no arguments"
+        raise PlannerError(f"model factory '{spec}' cannot be called {given}, as fsdp-planner calls it ({e}): give "
+                           "its other parameters defaults (batch_size and seq_len are given where it takes "
+                           "them)") from None
+    except ValueError:  # no signature to read (a builtin's): called, and its own error said
+        pass
+
+
 def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) -> LoadedModel:
     """Build the model a spec names, for the workload it sets; on the meta device when ``meta`` (planning only)."""
     model_spec = as_spec(model_spec)
@@ -510,6 +524,7 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
     kwargs = factory_kwargs(factory, model_spec)
     if hf.is_hf(spec) and model_spec.attention is not None:
         kwargs["attention"] = model_spec.attention  # transformers' attn_implementation (hf.build_model)
+    _check_callable_so(factory, kwargs, spec)
     torch.manual_seed(seed)
     try:
         with no_hard_exit(), quiet_loggers(*TORCHAO_LOGGERS):

@@ -82,7 +82,16 @@ def step_failure(e: BaseException, label: str, full: bool = False) -> PlannerErr
     if isinstance(e, CheckpointError):
         return PlannerError(f"tracing {label} failed: {SELF_CHECKPOINTING}")
     return PlannerError(f"tracing {label} failed: {model_error(e)}{_device_hint(e)}{_loss_hint(e)}"
-                        f"{'' if full else _replay_hint(e)}")
+                        f"{'' if full else _replay_hint(e)}{_no_grad_hint(e)}")
+
+
+def _no_grad_hint(e: BaseException) -> str:
+    """What autograd's refusal of a loss without a graph means for the user's model (a trial's model returned
+    ``x * 2``, its param unread: torch's own words alone)."""
+    if "does not require grad and does not have a grad_fn" not in str(e):
+        return ""
+    return ("; the loss depends on no trainable param (the forward reads none of them, or under torch.no_grad, or "
+            "on detached tensors): FSDP plans are for a step that trains them")
 
 
 def step_loss(lm: LoadedModel, spec: ModelSpec, note: Callable[[str], None]
