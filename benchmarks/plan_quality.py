@@ -667,7 +667,10 @@ def moe_row(model: str, gpus: int) -> dict:
                 policies[name.replace("+ac", "+k full")] = moe_fewest(model, cluster, tp, ep, result.budget)
         except PlannerError as e:
             refused[name] = str(e)
-    policies.update(moe_best_ep(model, cluster, result.budget))
+    try:
+        policies.update(moe_best_ep(model, cluster, result.budget))
+    except (PlannerError, ValueError) as e:  # (no EP degree the experts and the GPUs allow: n/a)
+        refused[BEST_EP] = str(e)
     policies["auto"] = {**auto_summary(result), **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
     r = {"model": model, "cluster": f"h100:{gpus}", "budget": result.budget, "budget_source": result.budget_source,
          "min_peak": result.min_peak, "fits": result.fits, "lower_bound": result.report.lower_bound,

@@ -389,7 +389,8 @@ def test_plan_as_written_still_loads(tmp_path: Path) -> None:
     ("[" * 100_000 + "]" * 100_000, "is not valid JSON: it nests too deeply to read"),
     ('{"version": 1, "model": {"numel": ' + "9" * 5000 + "}}", "is not valid JSON: it holds a number too long"),
     ('{"version": 1, "groups": [' + "{}," * 4_000_000 + "{}]}", "is not valid JSON: it holds more than 4,000,000 "
-     "values, far more than any it stands for"),  # (a trial's 198 MB of them took 5.2 GB before it was refused)
+     "values (counted from its commas and brackets), far more than any plan or config holds"),  # (a trial's 198 MB
+    # of them took 5.2 GB before it was refused)
 ], ids=["deep", "long-int", "many-values"])
 def test_unreadable_plan_json(capsys, tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "plan.json"

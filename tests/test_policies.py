@@ -140,6 +140,25 @@ def test_block_class_is_the_layer_a_model_calls_again_and_again():
     assert [g.modules for g in ModuleWrapPolicy().plan(tr).groups] == [("layer",), ("",)]
 
 
+class _TwoTowers(torch.nn.Module):
+    """Three large blocks as attributes (no container) and a small projector run on both inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.b1, self.b2, self.b3 = (_SharedLayer(32) for _ in range(3))
+        self.up = torch.nn.Linear(8, 32)
+
+    def forward(self, x, y):
+        h = self.up(self.proj(x) + self.proj(y))
+        return self.b3(self.b2(self.b1(h)))
+
+
+def test_a_small_module_called_twice_is_no_block_beside_larger_repeated_ones():
+    tr = record(_TwoTowers(), (torch.randn(2, 8), torch.randn(2, 8)))
+    assert default_block_class(tr) == "_SharedLayer"
+
+
 class _Mixer(torch.nn.Module):
     """A Mamba-like mixer: it reads its child's weight itself (as Jamba's reads ``dt_proj.weight``)."""
 

@@ -101,10 +101,14 @@ def parse_json(text: str | bytes, message: Callable[[str], str]) -> Any:
     """``json.loads``; on bad input, a PlannerError whose line is ``message(what is wrong)``. A key repeated in an
     object is refused: Python's reader (and transformers') would keep its last value, silently. A text of more
     than ``MAX_JSON_VALUES`` values is refused before it is read."""
-    marks = (",", "{", "[") if isinstance(text, str) else (b",", b"{", b"[")
-    if sum(text.count(m) for m in marks) > MAX_JSON_VALUES:
-        raise PlannerError(message(f"it holds more than {MAX_JSON_VALUES:,} values, far more than any it stands "
-                                   "for"))
+    if isinstance(text, bytes):  # (json's own reader takes UTF-8, -16 and -32)
+        try:
+            text = text.decode(json.detect_encoding(text))
+        except UnicodeDecodeError:
+            raise PlannerError(message("it is not UTF-8 (or UTF-16, UTF-32) text")) from None
+    if sum(text.count(m) for m in (",", "{", "[")) > MAX_JSON_VALUES:
+        raise PlannerError(message(f"it holds more than {MAX_JSON_VALUES:,} values (counted from its commas and "
+                                   "brackets), far more than any plan or config holds"))
     try:
         data = json.loads(text, object_pairs_hook=unique_keys)
         if LONE_SURROGATE.search(text) and (bad := _unwritable(data)) is not None:

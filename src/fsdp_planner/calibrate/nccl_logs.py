@@ -481,8 +481,9 @@ UNFIT = 0.5  # ... and from which it is refused
 def _note_fit(what: str, samples: list[tuple[int, float]], ranks: int, fit: tuple[float, float, float, int],
               note: Callable[[str], None]) -> None:
     """Say what a fit left out or could not see (a trial's logs fitted all three without a word): the samples
-    dropped as outliers, samples far off the line (a log whose out-of-place times were 1,000x its in-place ones
-    fitted 71% rms), and a latency the log's sizes do not measure (its smallest already bandwidth-bound)."""
+    dropped as outliers, samples far off the line (out-of-place times twice the in-place ones: 32% rms; over
+    ``UNFIT`` the fit is refused, ``_check_fit``), and a latency the log's sizes do not measure (its smallest
+    already bandwidth-bound)."""
     alpha, busbw, rms, dropped = fit
     if rms > LOOSE_FIT:
         note(f"{what}: its samples sit {rms:.0%} off the fitted line (root mean square): the log's runs or its in- "

@@ -490,13 +490,13 @@ def _aliased_inputs_findings(trace: Trace, plan: Plan) -> list[Finding]:
     listed = [m for g in plan.groups for m in g.modules if m != ROOT and trace.modules[m].aliased_inputs]
     if not listed:
         return []
+    verb = "is" if len(listed) == 1 else "are"
     return [Finding(Severity.WARNING, Code.ALIASED_INPUTS,
-                    f"{fmt_count(len(listed), 'listed module')} ({fmt_modules([_path(m) for m in listed])}) "
-                    f"{'is' if len(listed) == 1 else 'are'} given one tensor in several inputs (self-attention's "
-                    "query, key and value), which FSDP2's hooks on a module it shards hand over as distinct tensors: "
-                    "nn.MultiheadAttention then projects them apart, not packed, and the step (its memory most) "
-                    "differs from the one traced",
-                    "shard them with their parent (list the module that calls them instead)", listed[0])]
+                    f"{fmt_count(len(listed), 'listed nn.MultiheadAttention')} "
+                    f"({fmt_modules([_path(m) for m in listed])}) {verb} given one tensor as query, key and value "
+                    "(self-attention), which FSDP2's hooks on a module it shards hand over as distinct tensors: it "
+                    "then projects them apart, not packed, and the step (its memory most) differs from the one "
+                    "traced", "shard them with their parent (list the module that calls them instead)", listed[0])]
 
 
 def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:

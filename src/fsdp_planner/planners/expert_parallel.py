@@ -202,8 +202,11 @@ def screen_placement(policy: AutoPolicy) -> ShardPlacement | None:
     where dim 0 would pad) where auto chooses the placement, as a classic policy's EP plan has it
     (``service/planning.expert_placement``); else the plan's own. The search chose its dims without EP, where E
     experts divide the shard ranks that E / EP need not (DeepSeek-V3 on 512 H100s, EP 32: 8 experts over 16 ranks
-    padded on dim 0, 55 blocks checkpointed to fit at 8.51 s on HSDP 2x256; on dim 1 48, 8.40 s on 1x512)."""
-    return ShardPlacement.AUTO if policy.chooses_placement() else None
+    padded on dim 0, 55 blocks checkpointed to fit at 8.51 s on HSDP 2x256; on dim 1 48, 8.40 s on 1x512). The
+    user's ``--shard-placement`` decides where given (``auto``: this rule; ``dim0``: the plan's own dims)."""
+    if policy.keeps_placement:
+        return ShardPlacement.AUTO if policy.options.shard_placement is ShardPlacement.AUTO else None
+    return ShardPlacement.AUTO
 
 
 def per_param_meshes(placement: ExpertPlacement | None) -> tuple[bool, ...]:
@@ -493,8 +496,8 @@ def _block_options(result: AutoResult, trace: Trace, cluster: Cluster, options: 
     own groups were chosen for a step EP did not shrink, and can be slower under EP than the expert's
     (Qwen3.5-397B-A17B on 256 H100s, EP 64: auto's groups 5.86 s a step on HSDP 2x128, titan's with every block
     checkpointed 5.56 s on 1x256); nor need torchtitan's grouping run best at the degree or placement auto's groups
-    do (DeepSeek-V3 on 256 H100s: auto's groups best at EP 256 in the experts' own calls, 9.09 s; torchtitan's at
-    EP 64 in their blocks' calls, 9.02 s with every block checkpointed)."""
+    do (DeepSeek-V3 on 256 H100s: auto's groups best at EP 256 in the experts' own calls, 9.09 s; torchtitan's in
+    their blocks' calls with every block checkpointed 9.02 s at EP 64, 8.65 s at EP 32)."""
     titan = next((c for name, c in result.baselines.items() if name.startswith("titan")), None)
     screened = [o for o in found if o.degree > 1 and o.plan.tp_degree == 1]
     if titan is None or not screened or trace.tensor_parallel or titan.plan.tp_degree > 1:  # (TP's EP: its own)

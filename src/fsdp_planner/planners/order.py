@@ -16,6 +16,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.planners.repair import joined_until_runnable
+from fsdp_planner.trace.index import CONTAINERS
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT, parent_of, proper_ancestors
 
@@ -31,7 +32,7 @@ def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tu
     owners = [m for m in trace.index.owning_modules if m not in root_tied and m != ROOT]
     parent = {m: m for m in owners}
     whole = [*whole, *(up for m, info in trace.modules.items() if info.aliased_inputs and m != ROOT
-                       and (up := parent_of(m)) != ROOT)]
+                       and (up := _caller(trace, m)) != ROOT)]
 
     def find(x: str) -> str:
         while parent[x] != x:
@@ -67,6 +68,15 @@ def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tu
         atoms.append((start, min(registered[m] for m in ms), ms, nbytes))
     atoms.sort(key=lambda a: (a[0], a[1]))
     return [(a[2], a[3]) for a in atoms]
+
+
+def _caller(trace: Trace, fqn: str) -> str:
+    """The module that calls ``fqn``: its first ancestor that is no container (ModuleList, Sequential, ModuleDict:
+    kept whole, a list would make one atom of a whole stack of blocks)."""
+    up = parent_of(fqn)
+    while up != ROOT and trace.modules[up].cls in CONTAINERS:
+        up = parent_of(up)
+    return up
 
 
 def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:

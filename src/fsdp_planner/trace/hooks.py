@@ -106,8 +106,8 @@ class ModuleHooks:
             # self-attention, query is key is value) must still see one, or it takes another path (three
             # projections instead of one packed)
             distinct = list({id(t): t for t in inputs}.values())
-            if len(distinct) < len(inputs):  # (which FSDP2's hooks would not keep: ``ModuleInfo.aliased_inputs``)
-                recorder.aliased_input(fqn)
+            if len(distinct) < len(inputs) and isinstance(module, nn.MultiheadAttention):  # (FSDP2's hooks would
+                recorder.aliased_input(fqn)  # not keep it: ``ModuleInfo.aliased_inputs``)
             marked = PostBackwardMarker.apply(lambda: recorder.exit_backward(key), *distinct)
             self.watched.append((marked, tuple(t._version for t in marked)))
             alias = {id(t): m for t, m in zip(distinct, marked, strict=True)}

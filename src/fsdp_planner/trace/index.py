@@ -326,10 +326,19 @@ class TraceIndex:
         repeats and holds the most params; else that of a composite module the step calls again and again (an
         ALBERT's one shared layer: its Linears, the class with most instances' params, were taken for the block and
         each wrapped alone, 59 all-gathers a step); else the repeated class holding the most params."""
-        reused = [m for m, info in self._modules.items() if m != ROOT and info.calls >= 2 and info.children
-                  and info.cls not in CONTAINERS]
-        return self.container_block_class or self._most_params(reused, repeated=False) or \
+        if self.container_block_class is not None:
+            return self.container_block_class
+        # a repeated composite class before a leaf's (blocks held as attributes, not in a list: their Linears,
+        # inside and out, held more params than the blocks)
+        repeated = self._most_params(m for m, info in self._modules.items() if m != ROOT and info.children
+                                     and info.cls not in CONTAINERS) or \
             self._most_params(m for m in self._modules if m != ROOT)
+        reused = self._most_params((m for m, info in self._modules.items() if m != ROOT and info.calls >= 2
+                                    and info.children and info.cls not in CONTAINERS), repeated=False)
+        # (a small helper called twice, a projector run on two inputs, is no block beside larger repeated ones;
+        # the repeated class's instances inside the reused module's are the block's own)
+        return reused if reused is not None and (repeated is None or self._class_numel(reused) >=
+                                                  self._class_numel(repeated, outside=reused)) else repeated
 
     @cached_property
     def container_block_class(self) -> str | None:
@@ -462,6 +471,14 @@ class TraceIndex:
             if len(layers) >= 2:
                 out += layers
         return out
+
+    def _class_numel(self, cls: str, outside: str = "") -> int:
+        """The params of the instances of ``cls`` (outermost ones: a nested instance's counted once), those inside
+        an instance of class ``outside`` left out."""
+        numel = self.subtree_numel
+        found = {m for m, info in self._modules.items() if m != ROOT and info.cls == cls}
+        return sum(numel[m] for m in found if not any(a in found or self._modules[a].cls == outside
+                                                      for a in proper_ancestors(m) if a != ROOT))
 
     def _most_params(self, candidates: Iterable[str], repeated: bool = True) -> str | None:
         """The class holding the most params among ``candidates``, of those with two instances or more there

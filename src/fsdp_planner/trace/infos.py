@@ -66,9 +66,9 @@ class ModuleInfo:
     # plain nn.Linear: a subclass's own forward would be dropped by the swap)
     running_stats: bool = False  # a norm that updates running statistics in its training forward (BatchNorm):
     # a checkpointed call's recomputation updates them again
-    aliased_inputs: bool = False  # a call was given one grad-requiring tensor in two inputs or more (self-attention's
-    # query is key is value), which FSDP2's pre-forward hands a module it shards as distinct tensors: the call may
-    # take another path then (nn.MultiheadAttention projects q, k and v apart instead of packed)
+    aliased_inputs: bool = False  # an nn.MultiheadAttention a call of which was given one grad-requiring tensor as
+    # query and key (self-attention), which FSDP2's pre-forward hands a module it shards as distinct tensors: it
+    # then projects q, k and v apart instead of packed, another step than traced (other modules run alike)
     output_modified: bool = False  # an op after a forward call returned modified its output in place (Llama 4's
     # MoE adds the routed experts' sum into its shared expert's output): no TP style can make that output, whose
     # local tensor autograd refuses to modify in place
