@@ -784,22 +784,3 @@ def test_a_model_file_not_found_from_here_is_named_as_the_plan_names_it_with_a_n
     assert "note: the plan's model file /nowhere/model.py is not found from here" in done.stderr, done.stderr
     assert "MODEL: str = '/nowhere/model.py:build'" in (tmp_path / "code.py").read_text()
     assert "not found from here" not in run_main("export", str(made), "--format", "python").stderr
-
-
-def test_a_plan_file_chooses_no_config_file_for_export_to_read(tmp_path, capsys) -> None:
-    """A plan file is data: its model's name is built only where it names a built-in or a shipped config, not a
-    path (a trial's plan naming "hf:/etc/passwd" had export open that file); its Python factory is not run."""
-    from fsdp_planner.cli import main
-
-    plan = tmp_path / "plan.json"
-    assert main(["plan", "toy-llama", "--policy", "titan", "--out", str(plan), "--quiet"]) == 0
-    secret = tmp_path / "secret.txt"
-    secret.write_text("not json at all")
-    data = json.loads(plan.read_text())
-    data["model"]["name"] = f"hf:{secret}"
-    plan.write_text(json.dumps(data))
-    capsys.readouterr()
-    assert main(["export", str(plan), "--format", "python"]) == 0
-    err = capsys.readouterr().err
-    assert "is not built here (a plan file's Python factory is not run, nor a config file it names read)" in err
-    assert "not valid JSON" not in err

@@ -29,10 +29,8 @@ def run(args: argparse.Namespace) -> int:
     modules = checked_modules(plan)  # the model built once, on meta
     if modules is None:
         render.note(f"the plan's model {plan.model or '(none named)'} is not built here (a plan file's Python "
-                    "factory is not run, nor a config file it names read): the code checks the module names it needs "
-                    "when it runs")
-    if modules is not None:  # transformers' experts its EP does not run: refused (where the model was built)
-        check_model_runs_ep(as_spec(plan.model), plan, modules)
+                    "factory is not run): the code checks the module names it needs when it runs")
+    check_model_runs_ep(as_spec(plan.model), plan, modules)  # transformers' experts its EP does not run: refused
     traced = check_on_model(plan, args.plan) if modules is not None else None
     loss_head = _output_layer(plan, traced, args.format)
     precision = _precision(args.precision, plan)

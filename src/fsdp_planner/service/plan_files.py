@@ -178,15 +178,12 @@ def _filtering_nothing(plan: Plan, tr: Trace) -> str | None:
 
 def checked_modules(plan: Plan) -> dict[str, nn.Module] | None:
     """``export``'s check of a plan file against the model it names, where that model is data (a built-in, or a
-    shipped transformers config built on meta; a Python factory is code, which a plan file does not get to run, and
-    a config file elsewhere a path, which it does not get to have read): every
+    transformers config built on meta; a Python factory is code, which a plan file does not get to run): every
     module it names exists, and each expert module of its EP is a group of its own. The model's modules, for the
     export's other checks; None where the model was not built (the generated code checks the names when it
     runs)."""
-    if not plan.model or not (plan.model in BUILTINS or (hf.is_hf(plan.model) and
-                              plan.model.removeprefix(hf.PREFIX) in hf.SHIPPED)):
-        return None  # (nor is a config file a plan names read: a data file chooses no path to read, a trial's
-        # "hf:/etc/passwd" was opened)
+    if not plan.model or not (plan.model in BUILTINS or hf.is_hf(plan.model)):
+        return None
     spec = ModelSpec(plan.model, hf_config=tuple(plan.hf_config.items()) if hf.is_hf(plan.model) else ())
     modules = dict(load_model(spec, meta=True).model.named_modules())
     named = {m for g in plan.groups for m in g.modules} | set(plan.activation_checkpointing) | \
