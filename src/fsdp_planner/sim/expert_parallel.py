@@ -73,12 +73,10 @@ def ep_view(trace: Trace, plan: Plan) -> EPView:
     check_expert_groups(plan, trace)
     experts = ep.experts(trace.modules)
     split = token_split(trace, experts, ep.degree)
-    chosen = expert_param_indices(plan, trace)
-    params = list(trace.params)
-    for i in chosen:
-        params[i] = _local_param(params[i], ep.degree)
+    local = ep_params(trace, plan)
+    chosen = local.expert_params
     events, where = _rank_events(trace, experts, ep.skew, set(chosen), split, ep.degree)
-    view = replace(trace, params=tuple(params), events=tuple(events), op_seconds=None,
+    view = replace(trace, params=local.params, events=tuple(events), op_seconds=None,
                    modules=_moved_modules(trace, where), expert_parallel=ep.signature(), expert_params=chosen,
                    fingerprint=f"{trace.fingerprint}/ep{ep.degree}",
                    # the loss region's storages where their events went (the allocator's replay of the loss)
