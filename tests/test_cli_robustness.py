@@ -529,6 +529,31 @@ def test_meta_device_mismatch_is_explained(capsys, tmp_path):
     assert_one_line_error(code, err, "the model is built on the meta device for planning")
 
 
+def test_a_model_reading_stdin_is_refused_not_left_waiting(capsys, tmp_path):
+    """A trial's model file called ``input()`` at import: the command waited for a line no one was asked for."""
+    path = tmp_path / "asks.py"
+    path.write_text("import torch.nn as nn\nname = input('checkpoint? ')\n"
+                    "def fn():\n    return nn.Linear(8, 4), ()\n")
+    code, _, err = run_main(capsys, "plan", f"{path}:fn", "--policy", "order")
+    assert_one_line_error(code, err, "failed: EOFError: EOF when reading a line (it reads stdin, which fsdp-planner "
+                          "does not give a model's code)")
+
+
+def test_a_slow_factory_is_said_to_be_the_model_s_own_code(capsys, tmp_path, monkeypatch):
+    """A factory that sleeps, downloads or loops looked like a hung planner: after a while, a note says what
+    runs (and the note stops with it: no second note from a timer left running)."""
+    from fsdp_planner import models
+
+    monkeypatch.setattr(models, "SLOW_USER_CODE_S", 0.2)
+    path = tmp_path / "slow.py"
+    path.write_text("import time, torch, torch.nn as nn\n"
+                    "def fn():\n    time.sleep(0.6)\n    return nn.Linear(8, 4), (torch.randn(2, 8),)\n")
+    code, _, err = run_main(capsys, "plan", f"{path}:fn", "--policy", "order")
+    assert code == 0, err
+    assert notes(err) == [f"note: building the model '{path}:fn' has run for 0.2 s: that is the model's own code (a "
+                          "download, a loop, a wait?), not the planner's; Ctrl-C stops it"]
+
+
 # -- 9. the comparison without a repeated block -----------------------------------------------------------------
 def test_comparison_skips_block_policies_when_the_model_has_no_block(capsys, user_models):
     code, out, err = run_main(capsys, "plan", f"{user_models}:single_linear", "--json")

@@ -11,7 +11,7 @@ from itertools import pairwise
 import pytest
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import parse_size
+from fsdp_planner.fmt import fmt_bytes, fmt_numel, fmt_time, parse_size
 from fsdp_planner.hardware.cluster import GPU, Cluster, Link, parse_cluster, preset_cluster, with_fits
 from fsdp_planner.hardware.collectives import (
     Protocol,
@@ -270,6 +270,15 @@ def test_parse_size(text: str, nbytes: int) -> None:
 def test_parse_size_errors(text: str) -> None:
     with pytest.raises(PlannerError):
         parse_size(text)
+
+
+@pytest.mark.parametrize(("shown", "expected"), [
+    (fmt_time(2_927_789.4), "2,927,789 s"), (fmt_time(2.764e-3), "2.76 ms"), (fmt_numel(1e14), "100T"),
+    (fmt_numel(8.03e9), "8.03B"), (fmt_numel(2.5e15), "2,500T"), (fmt_bytes(2**60), "1,024 PiB"),
+])
+def test_large_figures_read_as_figures(shown: str, expected: str) -> None:
+    """A trial's ``cost all-gather 1EiB`` took "2927789 s", a 1e14-param model "100000B"."""
+    assert shown == expected
 
 
 def test_zero_latency_fits_interpolate_without_error() -> None:

@@ -356,6 +356,18 @@ def test_torchtitan_policy_groups_norm_and_output():
     assert list(plan.root.params) == []
 
 
+def test_torchtitan_policy_shards_modules_between_blocks_alone():
+    """A U-Net's middle blocks run between its Down and Up blocks: they were one list group with the output
+    conv, kept unsharded after forward (44M params gathered from the middle's forward to its backward)."""
+    lm = load_model(f"{Path(__file__).parent / 'fixtures' / 'unet_models.py'}:build")
+    plan = TorchtitanPolicy().plan(record(lm.model, lm.example_inputs, lm.loss_fn))
+    grouped = groups_of(plan)
+    assert [g for g in grouped if g[0].startswith("mid")] == [["mid1"], ["mid_attn"], ["mid2"]]
+    assert ["out_norm", "out"] in grouped
+    assert [g.reshard_after_forward for g in plan.groups if "out" in g.modules] == [False]
+    assert all(g.reshard_after_forward for g in plan.groups if g.modules[0].startswith("mid"))
+
+
 def test_torchtitan_policy_groups_tied_weights_with_embedding():
     plan = TorchtitanPolicy().plan(traced("toy-gpt2-tied"))
     assert ["wte", "ln_f", "lm_head"] in groups_of(plan)

@@ -71,6 +71,14 @@ def test_gzip_trace_reads_the_same(tmp_path: Path) -> None:
     ('{"traceEvents": [{"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "ts": 1, "dur": 5}]}',
      "has ProfilerStep# ranges on the GPU only"),  # (it said "the first: None")
     ("\x80\x04\x95pickle", "not text"),
+    # the events are read one at a time (a trace parsed whole took 13x its size): json's own refusals still hold
+    ('{"traceEvents": [{"ph": "i", "name": "x"},]}', "not valid JSON: Expecting value at line 1 column 43"),
+    ('{"traceEvents": [], }', "not valid JSON: Expecting property name enclosed in double quotes"),
+    ('{"traceEvents": [] "x": 1}', "not valid JSON: Expecting ',' delimiter"),
+    ('{"traceEvents" []}', "not valid JSON: Expecting ':' delimiter"),
+    ('{"traceEvents": []} []', "not valid JSON: Extra data"),
+    ('{"traceEvents": {"ph": "X"}}', "not a Chrome trace"),
+    ("", "not valid JSON \\(truncated\\?\\): Expecting value"),
 ])
 def test_bad_traces_are_one_line(tmp_path: Path, text: str, words: str) -> None:
     path = tmp_path / "bad.json"
@@ -78,6 +86,19 @@ def test_bad_traces_are_one_line(tmp_path: Path, text: str, words: str) -> None:
     with pytest.raises(PlannerError, match=words) as e:
         read_trace(path)
     assert "\n" not in str(e.value) and "bad.json" in str(e.value)
+
+
+def test_a_trace_reads_the_same_in_any_key_order_or_as_a_bare_list(tmp_path: Path) -> None:
+    """The events are read as the reader reaches them: ``distributedInfo`` after them, or no object around them
+    (a list of events, as Chrome's trace format allows), read as before."""
+    data, expected = gpu_trace(steps=2)
+    last = {"traceEvents": data["traceEvents"], **{k: v for k, v in data.items() if k != "traceEvents"}}
+    assert list(last).index("traceEvents") < list(last).index("distributedInfo")
+    read = _read(last, tmp_path)
+    assert (read.world, [s.seconds for s in read.steps]) == (8, pytest.approx(expected.steps, rel=1e-12))
+    (tmp_path / "list.json").write_text(json.dumps(data["traceEvents"]))
+    with pytest.raises(PlannerError, match=r"has no distributedInfo\.world_size, and its steps run collectives"):
+        read_trace(tmp_path / "list.json")  # (its steps and their collectives read: over how many ranks is not said)
 
 
 def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:

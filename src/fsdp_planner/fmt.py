@@ -1,7 +1,7 @@
 """Human-readable numbers: one formatter per unit, and the one size parser.
 
 Bytes are shown in binary units (KiB, MiB, GiB), as ``torch.cuda.memory_summary`` and FSDP's own logs do;
-times in s / ms / us; element counts with K / M / B suffixes.
+times in s / ms / us; element counts with K / M / B / T suffixes.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from fsdp_planner.errors import PlannerError
 
 
 def _three(n: float) -> str:
-    """Three significant digits, never in exponent notation (``1000``, not ``1e+03``)."""
-    return f"{n:.3g}" if abs(n) < 999.5 else f"{n:.0f}"
+    """Three significant digits, never in exponent notation (``1,000``, not ``1e+03``; a trial's 1 EiB all-gather
+    took ``2927789 s``)."""
+    return f"{n:.3g}" if abs(n) < 999.5 else f"{n:,.0f}"
 
 
 def fmt_bytes(n: float) -> str:
@@ -41,8 +42,8 @@ def fmt_time(seconds: float) -> str:
 
 
 def fmt_numel(n: float) -> str:
-    """``8.03B``: element counts with K / M / B suffixes."""
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    """``8.03B``: element counts with K / M / B / T suffixes."""
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div * 0.9995:
             return f"{_three(n / div)}{unit}"
     return f"{n:.0f}"

@@ -36,6 +36,7 @@ import gzip
 import json
 import math
 import statistics
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -184,7 +185,7 @@ class MeasuredTrace:
         return ordered[(len(ordered) - 1) // 2]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # (millions in a large job's trace)
 class _Event:
     name: str
     cat: str
@@ -245,15 +246,124 @@ def _no_constant(text: str) -> float:
     raise ValueError(f"{text} is not a number a profiler writes")
 
 
-def parse_json_trace(raw: bytes, label: str) -> Any:
-    """JSON with bounded numbers (module docstring); one line for anything else."""
+# read of an event's args: the rest (a kernel's grid, a CPU op's sequence number, ...) is dropped as it is read
+ARGS_READ = frozenset({"correlation", "External id", "Collective name", "In msg nelems", "Out msg nelems",
+                       "Group size", "dtype", "Input Dims", "Input type"})
+
+
+@dataclass
+class _Events:
+    """A trace's ``traceEvents``, taken one at a time as the reader reaches them (a 197 MB trace parsed whole took
+    2.6 GB): its complete events kept as ``_Event``, the rest counted, and what a refusal names."""
+
+    label: str
+    complete: list[_Event] = field(default_factory=list)
+    count: int = 0
+    damaged: int = 0
+    first_damage: str = ""
+    first_step: dict | None = None  # the first ProfilerStep# event, and the first not on the GPU's timeline
+    first_host_step: dict | None = None
+
+    def add(self, e: Any) -> None:
+        self.count += 1
+        if self.count > MAX_EVENTS:
+            raise PlannerError(f"{self.label} has more than {MAX_EVENTS:,} events: profile fewer steps")
+        if not isinstance(e, dict):
+            return
+        if isinstance(e.get("name"), str) and e["name"].startswith("ProfilerStep#"):
+            self.first_step = self.first_step or e
+            if self.first_host_step is None and e.get("cat") not in GPU_RANGES:
+                self.first_host_step = e
+        if e.get("ph") != "X":
+            return
+        damage = _damage(e)
+        if damage is not None:
+            self.damaged += 1
+            self.first_damage = self.first_damage or damage
+            return
+        self.complete.append(_event(e))
+
+
+class _Stream:
+    """JSON read a value at a time with ``json``'s own scanner: the top-level object's ``traceEvents`` list goes
+    to a callback element by element, never held whole; every other value is read as ``json.loads`` reads it
+    (numbers bounded, a key twice refused)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.decoder = json.JSONDecoder(parse_int=_bounded_int, parse_float=_finite_float,
+                                        parse_constant=_no_constant, object_pairs_hook=unique_keys)
+
+    def skip(self, i: int) -> int:
+        return json.decoder.WHITESPACE.match(self.text, i).end()
+
+    def expect(self, i: int, char: str, what: str) -> int:
+        """The position after ``char`` (and whitespace) at ``i``; json's own error otherwise."""
+        if not self.text.startswith(char, i):
+            raise json.JSONDecodeError(f"Expecting {what}", self.text, i)
+        return self.skip(i + 1)
+
+    def document(self, on_event: Callable[[Any], None]) -> Any:
+        """The top-level value, a ``traceEvents`` list in it replaced by ``EVENTS_READ`` (each element given to
+        ``on_event``); a top-level list is the events."""
+        i = self.skip(0)
+        if self.text.startswith("[", i):
+            value, i = EVENTS_READ, self.array(i, on_event)
+        elif self.text.startswith("{", i):
+            value, i = self.top_object(i, on_event)
+        else:
+            value, i = self.decoder.raw_decode(self.text, i)
+        if self.skip(i) != len(self.text):
+            raise json.JSONDecodeError("Extra data", self.text, self.skip(i))
+        return value
+
+    def top_object(self, i: int, on_event: Callable[[Any], None]) -> tuple[dict[str, Any], int]:
+        out: dict[str, Any] = {}
+        i = self.skip(i + 1)
+        if self.text.startswith("}", i):
+            return out, i + 1
+        while True:
+            if not self.text.startswith('"', i):
+                raise json.JSONDecodeError("Expecting property name enclosed in double quotes", self.text, i)
+            key, i = json.decoder.scanstring(self.text, i + 1)
+            if key in out:  # (two 'traceEvents': json.loads keeps the last, silently)
+                raise DuplicateKey(key)
+            i = self.expect(self.skip(i), ":", "':' delimiter")
+            if key == "traceEvents" and self.text.startswith("[", i):
+                out[key], i = EVENTS_READ, self.array(i, on_event)
+            else:
+                out[key], i = self.decoder.raw_decode(self.text, i)
+            i = self.skip(i)
+            if self.text.startswith("}", i):
+                return out, i + 1
+            i = self.expect(i, ",", "',' delimiter")
+
+    def array(self, i: int, on_event: Callable[[Any], None]) -> int:
+        i = self.skip(i + 1)
+        if self.text.startswith("]", i):
+            return i + 1
+        while True:
+            value, i = self.decoder.raw_decode(self.text, i)
+            on_event(value)
+            i = self.skip(i)
+            if self.text.startswith("]", i):
+                return i + 1
+            i = self.expect(i, ",", "',' delimiter")
+
+
+EVENTS_READ = ("traceEvents",)  # in place of the list the reader gave to its callback
+
+
+def parse_json_trace(raw: bytes, label: str, on_event: Callable[[Any], None]) -> Any:
+    """The trace's JSON with bounded numbers (module docstring), its events given to ``on_event`` one at a time
+    (``_Stream``); one line for anything else."""
     try:
         text = raw.decode("utf-8-sig")  # (a BOM an editor wrote: not the trace's)
     except UnicodeDecodeError:
         raise PlannerError(f"{label} is not text: expected a torch.profiler Chrome trace (JSON)") from None
+    del raw  # (the caller's copy is its own: this one's reference goes)
     try:
-        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant,
-                          object_pairs_hook=unique_keys)  # (two 'traceEvents': the last was read, silently)
+        return _Stream(text).document(on_event)
     except DuplicateKey as e:
         detail = f"has the key {shown_json(e.key)} twice in one object, which no profiler writes: an edited trace"
     except json.JSONDecodeError as e:
@@ -268,18 +378,15 @@ def parse_json_trace(raw: bytes, label: str) -> Any:
 
 def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
     """A trace from its bytes (``read_trace``)."""
-    data = parse_json_trace(raw, label)
-    if isinstance(data, list):
+    read = _Events(label)
+    data = parse_json_trace(raw, label, read.add)
+    if data is EVENTS_READ:
         data = {"traceEvents": data}
-    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+    if not isinstance(data, dict) or data.get("traceEvents") is not EVENTS_READ:
         raise PlannerError(f"{label} is not a Chrome trace: expected a JSON object with a 'traceEvents' list "
                            "(torch.profiler's export_chrome_trace)")
-    raw_events = data["traceEvents"]
-    if len(raw_events) > MAX_EVENTS:
-        raise PlannerError(f"{label} has {len(raw_events):,} events, over the {MAX_EVENTS:,} read: profile fewer "
-                           "steps")
-    events = [e for e in map(_event, raw_events) if e is not None]
-    marks = _step_marks(raw_events, events, label)
+    events = read.complete
+    marks = _step_marks(read, label)
     info = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else {}
     world = _int_field(info, "world_size", 1, label)
     rank = _int_field(info, "rank", 0, label)
@@ -293,29 +400,27 @@ def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
     return MeasuredTrace(path, "cuda" if gpu else "cpu", rank, world, steps, backend[:100])
 
 
-def _step_marks(raw_events: list, events: list[_Event], label: str) -> list[_Event]:
+def _step_marks(read: _Events, label: str) -> list[_Event]:
     """The trace's ``ProfilerStep#`` ranges in time order, refused where none is readable, where a complete event
     is damaged, or where they overlap (a profiler's follow one another)."""
-    marks = sorted((e for e in events if e.name.startswith("ProfilerStep#") and e.cat not in GPU_RANGES),
+    marks = sorted((e for e in read.complete if e.name.startswith("ProfilerStep#") and e.cat not in GPU_RANGES),
                    key=lambda e: e.ts)
     if not marks:
-        steps = [e for e in raw_events if isinstance(e, dict) and str(e.get("name", "")).startswith("ProfilerStep#")]
         # (the host's ranges are the steps: a GPU's copies of them, gpu_user_annotation, are not)
-        step = next((e for e in steps if e.get("cat") not in GPU_RANGES), None)
+        step = read.first_host_step
         if step is not None:
             why = "its 'ph' is not 'X' (a complete event)" if step.get("ph") != "X" else _damage(step)
             raise PlannerError(f"{label} has ProfilerStep# ranges but none a profiler writes (the first: {why}): "
                                "an edited or damaged trace")
-        if steps:
+        if read.first_step is not None:
             raise PlannerError(f"{label} has ProfilerStep# ranges on the GPU only (category "
-                               f"{shown_json(steps[0].get('cat'))}), not the host's a profiler writes beside them: "
-                               "an edited or damaged trace")
+                               f"{shown_json(read.first_step.get('cat'))}), not the host's a profiler writes beside "
+                               "them: an edited or damaged trace")
         raise PlannerError(f"{label} has no ProfilerStep# ranges: not a torch.profiler trace of training steps "
                            "(profile with a schedule and call prof.step() once a step)")
-    damaged = [e for e in raw_events if isinstance(e, dict) and e.get("ph") == "X" and _damage(e) is not None]
-    if damaged:  # (dropped, an op's time went missing from the steps, which then read as another job's)
-        raise PlannerError(f"{label} has {len(damaged):,} complete event{'s' if len(damaged) > 1 else ''} ('ph': 'X') "
-                           f"a profiler would not write (the first: {_damage(damaged[0])}): an edited or damaged "
+    if read.damaged:  # (dropped, an op's time went missing from the steps, which then read as another job's)
+        raise PlannerError(f"{label} has {read.damaged:,} complete event{'s' if read.damaged > 1 else ''} ('ph': "
+                           f"'X') a profiler would not write (the first: {read.first_damage}): an edited or damaged "
                            "trace")
     if len(marks) > MAX_STEPS:
         raise PlannerError(f"{label} has {len(marks):,} steps, over the {MAX_STEPS:,} read")
@@ -337,13 +442,14 @@ def _int_field(info: dict, key: str, default: int, label: str) -> int:
     return value
 
 
-def _event(e: Any) -> _Event | None:
-    """A complete event with a finite, bounded time; anything else is skipped (metadata, flows, instants)."""
-    if not isinstance(e, dict) or e.get("ph") != "X" or _damage(e) is not None:
-        return None
+def _event(e: dict) -> _Event:
+    """A complete event that ``_damage`` passed, as kept: its names interned (a kernel's repeat thousands of
+    times) and its args cut to what is read (``ARGS_READ``)."""
     cat = e.get("cat")
-    return _Event(e["name"][:MAX_NAME], cat if isinstance(cat, str) else "", float(e["ts"]), float(e.get("dur", 0)),
-                  str(e.get("tid", ""))[:100], e.get("args", {}))
+    args = e.get("args", {})
+    return _Event(sys.intern(e["name"][:MAX_NAME]), sys.intern(cat) if isinstance(cat, str) else "", float(e["ts"]),
+                  float(e.get("dur", 0)), sys.intern(str(e.get("tid", ""))[:100]),
+                  {k: v for k, v in args.items() if k in ARGS_READ})
 
 
 def _damage(e: dict) -> str | None:

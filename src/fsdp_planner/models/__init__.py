@@ -19,10 +19,12 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import io
 import json
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -311,6 +313,37 @@ class HardExit(SystemExit):
     """``os._exit`` called by a model's code (``no_hard_exit``)."""
 
 
+SLOW_USER_CODE_S = 30.0  # a model's import and factory take seconds on meta; past this, the user is told what runs
+
+
+@contextlib.contextmanager
+def user_code(doing: str) -> Iterator[None]:
+    """Around a model's own code: ``os._exit`` refused (``no_hard_exit``), torchao's CPU-build warnings quiet, stdin
+    empty (a trial's ``input()`` at import waited unseen for a line: now EOFError, reported), and a note on stderr
+    once it has run ``SLOW_USER_CODE_S`` (a factory that downloads a checkpoint, or loops, looked like a hung
+    planner)."""
+    timer = threading.Timer(SLOW_USER_CODE_S, _say_slow, (doing,))
+    timer.daemon = True
+    timer.start()
+    try:
+        with no_hard_exit(), quiet_loggers(*TORCHAO_LOGGERS), patched(sys, "stdin", io.StringIO()):
+            yield
+    finally:
+        timer.cancel()
+
+
+def _say_slow(doing: str) -> None:
+    print(f"note: {doing} has run for {SLOW_USER_CODE_S:g} s: that is the model's own code (a download, a loop, "
+          "a wait?), not the planner's; Ctrl-C stops it", file=sys.stderr, flush=True)
+
+
+def _user_error(e: Exception) -> str:
+    """``type: message`` of what a model's code raised; where it read stdin, that the planner gives it none."""
+    said = f"{type(e).__name__}: {e}"
+    return f"{said} (it reads stdin, which fsdp-planner does not give a model's code)" \
+        if isinstance(e, EOFError) else said
+
+
 @contextlib.contextmanager
 def no_hard_exit() -> Iterator[None]:
     """``os._exit`` raises ``SystemExit`` inside, as ``sys.exit`` does: a model's code that calls it would end the
@@ -467,22 +500,22 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
         try:
             # (a factory's transformers may import torchao, whose CUDA kernels a CPU build cannot load: lines on
             # stderr that say nothing of the job)
-            with no_hard_exit(), quiet_loggers(*TORCHAO_LOGGERS):
+            with user_code(f"importing '{target}'"):
                 module_spec.loader.exec_module(module)
         except SystemExit as e:
             raise PlannerError(exit_message(e, f"importing '{target}'")) from e
         except Exception as e:  # user code: report, never a traceback
-            raise PlannerError(f"importing '{target}' failed: {type(e).__name__}: {e}") from e
+            raise PlannerError(f"importing '{target}' failed: {_user_error(e)}") from e
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:  # as ``python -m``: modules in this directory too
             sys.path.insert(0, os.getcwd())
         try:
-            with no_hard_exit(), quiet_loggers(*TORCHAO_LOGGERS):
+            with user_code(f"importing module '{target}'"):
                 module = importlib.import_module(target)
         except SystemExit as e:
             raise PlannerError(exit_message(e, f"importing module '{target}'")) from e
         except Exception as e:
-            raise PlannerError(f"cannot import module '{target}': {type(e).__name__}: {e}") from e
+            raise PlannerError(f"cannot import module '{target}': {_user_error(e)}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise PlannerError(f"'{target}' has no callable '{fn_name}'{_closest_first(module, fn_name)}")
@@ -527,7 +560,7 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
     _check_callable_so(factory, kwargs, spec)
     torch.manual_seed(seed)
     try:
-        with no_hard_exit(), quiet_loggers(*TORCHAO_LOGGERS):
+        with user_code(f"building the model '{spec}'"):
             if meta:
                 with meta_init():  # on meta, initialisers fill nothing: skipped (on_meta.py)
                     result = factory(**kwargs)
@@ -538,7 +571,7 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
     except SystemExit as e:  # sys.exit or argparse in a factory is an error too, never a silent exit
         raise PlannerError(exit_message(e, f"building the model '{spec}'")) from e
     except Exception as e:  # user code: report, never a traceback
-        raise PlannerError(f"model factory '{spec}' raised {type(e).__name__}: {e}{raised_at(e)}"
+        raise PlannerError(f"model factory '{spec}' raised {_user_error(e)}{raised_at(e)}"
                            f"{_meta_hint(e) if meta else ''}") from e
     if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], nn.Module):
         raise PlannerError(

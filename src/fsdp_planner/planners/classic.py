@@ -115,8 +115,8 @@ class TorchtitanPolicy:
     """torchtitan's ``apply_fsdp``: the input embedding alone, each block, [norm, output] as one list group kept
     unsharded after forward, tied weights grouped as [embedding, norm, output], the root last.
 
-    Generalised: modules that are not blocks and own params are split into those running before the first block
-    (each alone) and after it (one list group)."""
+    Generalised: modules that are not blocks and own params run before the first block or between blocks (each
+    alone: a U-Net's downsampling convs, its middle blocks) or after the last block starts (one list group)."""
 
     block_class: str | None = None
     name: str = "titan"
@@ -137,11 +137,11 @@ class TorchtitanPolicy:
         block_cls = ",".join(classes)
         found = find_class_instances(trace, classes)
         blocks = outermost(found)
-        pre, post = self._side_modules(trace, blocks)
+        pre, middle, post = self._side_modules(trace, blocks)
         subtree = trace.index.subtree_params
         post_params = set().union(*(subtree[s] for s in post)) if post else set()
         tied_pre = [s for s in pre if subtree[s] & post_params]
-        groups: list[list[str]] = [[s] for s in pre if s not in tied_pre] + [[b] for b in blocks]
+        groups: list[list[str]] = [[s] for s in pre if s not in tied_pre] + [[b] for b in [*blocks, *middle]]
         reshard: list[ReshardAfterForward] = [True] * len(groups)
         # each alone: an unused module (ModuleInfo.unused: why), and one called more than once (pytorch#183702: a
         # module of a list group reused later in the step can fail in backward; ALBERT's shared block's norm beside
@@ -156,9 +156,11 @@ class TorchtitanPolicy:
         return make_plan(trace, groups, reshard, policy=f"{self.name}({block_cls})", model=model)
 
     @staticmethod
-    def _side_modules(trace: Trace, blocks: list[str]) -> tuple[list[str], list[str]]:
+    def _side_modules(trace: Trace, blocks: list[str]) -> tuple[list[str], list[str], list[str]]:
         """Param-owning modules beside the blocks' chain of containers, split into those first used before the
-        first block and the rest, each list in first-use order. A module whose params the forward reads outside it
+        first block, before the last block and the rest, each list in first-use order (the rest is torchtitan's
+        [norm, output], kept unsharded after forward: a module between blocks is not, whose params would stay
+        gathered from its forward to its backward). A module whose params the forward reads outside it
         (a ParameterList the root indexes, an embedding the root multiplies with) stays with the root, the one
         group unsharded there."""
         chain = {a for b in blocks for a in proper_ancestors(b)}  # containers whose other children are side modules
@@ -175,5 +177,7 @@ class TorchtitanPolicy:
 
         side.sort(key=first_use)
         used = [trace.modules[b].first_use for b in blocks if trace.modules[b].first_use >= 0]
-        first_block = min(used) if used else 0
-        return [s for s in side if first_use(s) < first_block], [s for s in side if first_use(s) >= first_block]
+        first_block, last_block = (min(used), max(used)) if used else (0, 0)
+        return ([s for s in side if first_use(s) < first_block],
+                [s for s in side if first_block <= first_use(s) < last_block],
+                [s for s in side if first_use(s) >= last_block])
