@@ -7,7 +7,8 @@ Accelerate starts the processes and their process group; the hook's ``shard`` ap
 optimizer is made on the sharded params, and ``prepare`` hands both to Accelerate (whose FSDP2 keeps the sharded
 model as it is). On a machine without GPUs, ``ACCELERATE_USE_CPU=true accelerate launch ...`` runs the processes on
 CPU (gloo; Accelerate calls that MULTI_CPU). A plan with tensor parallelism (``TP_DEGREE``) builds its own (dp_shard,
-tp) mesh: one batch per TP group, the loss and its backward under the export's ``loss_context()``."""
+tp) mesh and gives it to Accelerate, whose DataLoaders then give each TP group one batch (here: which seed makes the
+step's batch); the loss and its backward run under the export's ``loss_context()``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import sys
 
 import torch
 from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
 
 from fsdp_planner.models import load_model
 from fsdp_planner.trace import run_model
@@ -44,15 +46,24 @@ def train(accelerator: Accelerator, plan_code: str, model_name: str) -> None:
     lm = load_model(model_name, meta=False, seed=0)
     model = plan.shard(accelerator, lm.model)  # the plan's fully_shard calls, root last
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # on the sharded params
-    model, optimizer = plan.prepare(accelerator, model, optimizer)
-    for step in range(3):
-        batch = load_model(model_name, meta=False, seed=100 + 10 * step + accelerator.process_index // tp)
+    seeds = DataLoader(TensorDataset(torch.arange(3 * accelerator.num_processes // tp)), batch_size=1)
+    model, optimizer, seeds = plan.prepare(accelerator, model, optimizer, seeds)
+    trained = []
+    for (seed,) in seeds:  # 3 a rank: one per data-parallel rank and step
+        trained.append(int(seed))
+        batch = load_model(model_name, meta=False, seed=100 + int(seed))
         with loss_context():
             accelerator.backward(batch.loss_fn(run_model(model, batch.example_inputs)))
         optimizer.step()
         optimizer.zero_grad()
+    everyone = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(everyone, trained)
+    groups = [everyone[r:r + tp] for r in range(0, len(everyone), tp)]
+    if any(g.count(g[0]) != tp for g in groups) or len({tuple(g[0]) for g in groups}) != len(groups):
+        raise RuntimeError(f"the ranks' batches (consecutive ranks are a TP group): {everyone}")
     kind = accelerator.distributed_type.value
-    accelerator.print(f"trained 3 steps on {accelerator.num_processes} processes ({kind})")
+    accelerator.print(f"trained {len(trained)} steps on {accelerator.num_processes} processes ({kind}), each TP group "
+                      "its own batches")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ def accelerate_config(plan: Plan, precision: Precision) -> str:
               "  fsdp_cpu_ram_efficient_loading: false  # the hook shards the model each rank builds itself: load "
               "a checkpoint after it (DCP), not with true"]
     if (plan.mesh is not None and plan.mesh.replicate > 1) or plan.tp_degree > 1:
-        lines.append("# the hook builds the plan's (dp_replicate, dp_shard, tp) mesh itself: no parallelism_config")
+        lines.append("# the hook builds the plan's (dp_replicate, dp_shard, tp) mesh itself: no parallelism_config; "
+                     "shard gives it to the accelerator, whose prepared DataLoaders then give a TP group's ranks the "
+                     "same batches")
     return "\n".join(lines) + "\n"
 
 

@@ -453,7 +453,16 @@ def shard(accelerator: Any, model: nn.Module) -> nn.Module:
         raise RuntimeError(f"Accelerate runs no distributed job here (distributed_type {kind}): launch the script "
                            "with accelerate launch --config_file and the YAML written beside this file (on a machine "
                            "without GPUs, with ACCELERATE_USE_CPU=true)")
-    return apply(model, make_mesh(accelerator.device.type))
+    mesh = make_mesh(accelerator.device.type)
+    if "tp" in (mesh.mesh_dim_names or ()):
+        # the YAML gives Accelerate no parallelism_config (its TP is transformers' own), so it has no mesh, and its
+        # DataLoaders gave each process batches of its own: the ranks of a TP group must train the same ones. With
+        # the plan's mesh (Accelerate's dim names), they split by the data-parallel rank (process index // TP).
+        if accelerator.torch_device_mesh not in (None, mesh):
+            raise RuntimeError("Accelerate has a device mesh of its own (a parallelism_config): drop it from the "
+                               "launch config, the plan's mesh is this hook's")
+        accelerator.state.device_mesh = mesh
+    return apply(model, mesh)
 
 
 def prepare(accelerator: Any, model: nn.Module, *objects: Any) -> Any:
