@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -417,6 +418,22 @@ def test_a_block_with_dropout_compiles_under_selective_checkpointing():
 
     tr = trace_spec(ModelSpec("hf:gpt2", batch_size=1, seq_len=128, compile=True))
     assert tr.compiled and len(tr.compiled) == 12
+
+
+@pytest.mark.integration  # (4 blocks partitioned, each under the selective policies too: ~15 s)
+def test_a_block_taking_an_earlier_block_s_output_by_keyword_compiles():
+    """A trial's encoder-decoder (``blk(y, memory=m)``) was refused, blaming its first encoder block ("Trying to
+    backward through the graph a second time"): the selective variants' backward ran on through the encoder's
+    captured graph behind the keyword's tensor. A block that does not compile is named as itself."""
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.service.tracing import trace_spec
+
+    spec = f"{Path(__file__).parent / 'fixtures' / 'keyword_encdec.py'}"
+    tr = trace_spec(ModelSpec(f"{spec}:build", compile=True))
+    assert sorted(tr.compiled) == ["decoder.0", "decoder.1", "encoder.0", "encoder.1"]
+    with pytest.raises(PlannerError, match=r"could not trace block 'decoder\.0' \(Unsupported: Call to "
+                                           r"`torch\._dynamo\.graph_break\(\)`"):
+        trace_spec(ModelSpec(f"{spec}:breaking", compile=True))
 
 
 class _Widening(nn.Module):

@@ -31,7 +31,7 @@ from fsdp_planner.service import tp_numerics
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.chunked_loss import cross_entropy, output_layer, output_tokens, unchunkable, with_chunked_loss
-from fsdp_planner.trace.compiled import alike_blocks
+from fsdp_planner.trace.compiled import BlockNotCompiled, alike_blocks
 from fsdp_planner.trace.compiled_loss import LossInputs, capturing, with_compiled_loss
 from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN, KERNEL_SELECTIVE_SCAN
 from fsdp_planner.trace.failures import LOSS, failed_at
@@ -378,9 +378,12 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
             saved = record_compiled(lm.model, lm.example_inputs, blocks, precision.trace_dtype,
                                     {p.value: functools.partial(_selective_copy, policy=p) for p in SacPolicy},
                                     tr.cast_inputs, alike)
-    except Exception as e:
-        raise PlannerError(f"--compile: AOTAutograd could not trace block '{blocks[0]}' ({compile_error(e)}); the "
-                           "block does not compile with fullgraph=True as the step calls it") from e
+    except BlockNotCompiled as e:
+        raise PlannerError(f"--compile: AOTAutograd could not trace block '{e.block}' ({compile_error(e.cause)}); "
+                           "the block does not compile with fullgraph=True as the step calls it") from e
+    except Exception as e:  # (capturing the blocks' arguments: the model's forward up to them)
+        raise PlannerError(f"--compile: running the forward up to the blocks to compile failed ({compile_error(e)})"
+                           ) from e
     note(COMPILE_GAIN_NOTE)
     return tr.with_compiled(saved)
 

@@ -49,6 +49,15 @@ EXTERN = ("mm", "convolution", "attention", "chunk_gated_delta_rule", "chunk_kda
           "selective_scan")
 
 
+class BlockNotCompiled(Exception):
+    """A block AOTAutograd or dynamo could not trace, by name (the error said the first block's otherwise)."""
+
+    def __init__(self, block: str, cause: Exception) -> None:
+        super().__init__(block)
+        self.block = block
+        self.cause = cause
+
+
 class _Captured(Exception):
     """Raised by the capture hook once every distinct block's arguments are held: the rest of the forward is
     not needed."""
@@ -186,7 +195,7 @@ def saved_under_dynamo(module: nn.Module, args: tuple, kwargs: dict) -> int:
     # dynamo refuses under a checkpoint unless told not to replay it in backward: what the block saves does not
     # depend on it
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-        traced = dynamo_graphs(module, _grad_leaves(args), kwargs)
+        traced = dynamo_graphs(module, *_grad_leaves(args, kwargs))
     # dynamo names the inputs it lifts from the module's state after it: ..._parameters_... / _buffers_
     params = {i for i, name in enumerate(traced.names) if "_parameters_" in name or "_buffers_" in name}
     return _saved_nbytes(traced.graphs, params)
@@ -237,8 +246,13 @@ def dynamo_graphs(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
     return DynamoGraphs(graphs, lifted.get("names", []), lifted.get("inputs", []))
 
 
-def _grad_leaves(args: tuple) -> list:
-    return [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+def _grad_leaves(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's tensors as leaves of their own: the captured forward's graph behind them is not this backward's
+    (a decoder block's ``memory=`` keyword, the encoder's output: each variant's backward ran through the
+    encoder's graph again, which the first had freed)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (args, kwargs))
 
 
 def node_kind(n: torch.fx.Node, extern: tuple[str, ...] = EXTERN) -> str:
@@ -347,6 +361,17 @@ def _backward_inputs_nbytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, 
     return nbytes
 
 
+def _compiled_with_variants(module: nn.Module, args: tuple, kwargs: dict,
+                            variants: Mapping[str, Callable[[nn.Module], nn.Module]]) -> CompiledBlock:
+    with GpuAttention():  # a model calling F.scaled_dot_product_attention (transformers') gets the kernel a GPU
+        block = compiled_block(module, args, kwargs)  # picks, as its eager trace did, not the math path
+    with fused_sdpa_everywhere():  # (dynamo runs no torch function mode: the name bound instead) a transformers
+        # block under SAC saved its math path's score matrices, every head's seq x seq (hf:llama3-8b --ac op
+        # --compile: 4.6 GB a block at batch 2 x 4096, where the fused kernel's saves are 0.37 GB)
+        other = {v: saved_under_dynamo(make(module), args, kwargs) for v, make in variants.items()}
+    return dataclasses.replace(block, variants=other)
+
+
 def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict, names: Sequence[str],
                     variants: Mapping[str, Callable[[nn.Module], nn.Module]] | None = None,
                     alike: Mapping[str, str] | None = None) -> dict[str, CompiledBlock]:
@@ -363,11 +388,8 @@ def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict,
     compiled = {}
     distinct = list(dict.fromkeys(alike.values()))
     for n, (args, kwargs) in block_arguments(model, example_args, example_kwargs, distinct).items():
-        with GpuAttention():  # a model calling F.scaled_dot_product_attention (transformers') gets the kernel a
-            block = compiled_block(modules[n], args, kwargs)  # GPU picks, as its eager trace did, not the math path
-        with fused_sdpa_everywhere():  # (dynamo runs no torch function mode: the name bound instead) a
-            # transformers block under SAC saved its math path's score matrices, every head's seq x seq (hf:llama3-8b
-            # --ac op --compile: 4.6 GB a block at batch 2 x 4096, where the fused kernel's saves are 0.37 GB)
-            other = {v: saved_under_dynamo(make(modules[n]), args, kwargs) for v, make in (variants or {}).items()}
-        compiled[n] = dataclasses.replace(block, variants=other)
+        try:
+            compiled[n] = _compiled_with_variants(modules[n], args, kwargs, variants or {})
+        except Exception as e:
+            raise BlockNotCompiled(n, e) from e
     return {n: compiled[first] for n, first in alike.items() if first in compiled}
