@@ -261,6 +261,11 @@ def float8_answer(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
                if alt.step_time <= base.step_time * (1 + NEGLIGIBLE) else "keep bf16: float8 is slower here")
         # eager torchao runs each cast as several unfused kernels: compiled, they fuse (``compiled_float8_answer``)
         fix += "" if tr.compiled else " (eager: its casts run unfused; plan --explain compares it compiled)"
+    elif plan.compiled and not tr.compiled:  # (a trial: plan --compile said keep float8, check of its file drop it)
+        what = f"the same plan without float8 training (bf16 matmuls), its blocks traced eager: " \
+               f"{_versus(base, alt, budget)}"
+        fix = ("check it with --compile, as the plan runs its blocks: float8's casts fuse there and run unfused in "
+               "eager, so eager figures say nothing of whether float8 pays in the plan's job")
     else:
         what = f"the same plan without float8 training (bf16 matmuls): {_versus(base, alt, budget)}"
         fix = _without_fix(base, alt, budget, "float8", "bf16",
