@@ -458,6 +458,10 @@ def test_policy_options_with_a_plan_file_are_noted(capsys, tmp_path):
     # the budget judges the plan file's plan (its margin); only auto's search setting has no effect
     assert notes(err) == ["note: --search-effort has no effect with --plan: the plan file already fixes the groups"]
     assert "below the 1 GiB budget (--memory-budget)" in out
+    # --tp beside a plan file: one note, not a second on what --tp 4 makes of the batch (the plan's TP is run)
+    code, out, err = run_main(capsys, "simulate", "seed-net", "--plan", str(plan), "--cluster", "h100:8", "--tp", "4")
+    assert code == 0 and notes(err) == ["note: --tp has no effect with --plan: the plan file already fixes its tensor "
+                                       "parallelism"]
 
 
 def test_verify_notes_a_cluster_it_does_not_use(capsys, tmp_path, monkeypatch):

@@ -108,9 +108,10 @@ def _graphed_note(config: JobConfig | None, report: StepReport) -> None:
 
 def _tp_note(args: argparse.Namespace) -> str | None:
     """What ``--tp`` makes of ``--batch`` (``render.tp_batch``); None for a config's TP degree, whose job's batch
-    torchtitan reads so."""
+    torchtitan reads so, and beside a plan file, whose TP is its own (--tp has no effect there: both were said)."""
     config = args.from_torchtitan or args.from_accelerate
-    return render.tp_batch(args.tp) if args.tp is not None and args.tp > 1 and not config else None
+    given = args.tp is not None and args.tp > 1
+    return render.tp_batch(args.tp) if given and not config and not getattr(args, "plan", None) else None
 
 
 def _show(args: argparse.Namespace, reports: list[tuple[str, StepReport]], plans: list[tuple[str, Plan]],
