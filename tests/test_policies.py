@@ -368,6 +368,15 @@ def test_torchtitan_policy_shards_modules_between_blocks_alone():
     assert all(g.reshard_after_forward for g in plan.groups if g.modules[0].startswith("mid"))
 
 
+def test_torchtitan_policy_groups_a_decoder_s_tied_embedding_with_the_output():
+    """An encoder-decoder whose decoder embedding (run between the two stacks) is tied to the head: one group with
+    the final norm and the head, kept unsharded after forward, as torchtitan groups a tied embedding."""
+    lm = load_model(f"{Path(__file__).parent / 'fixtures' / 'keyword_encdec.py'}:tied_decoder")
+    plan = TorchtitanPolicy().plan(record(lm.model, lm.example_inputs, lm.loss_fn))
+    (tail,) = [g for g in plan.groups if "head" in g.modules]
+    assert sorted(tail.modules) == ["decoder_embed", "head", "norm"] and tail.reshard_after_forward is False
+
+
 def test_torchtitan_policy_groups_tied_weights_with_embedding():
     plan = TorchtitanPolicy().plan(traced("toy-gpt2-tied"))
     assert ["wte", "ln_f", "lm_head"] in groups_of(plan)

@@ -140,8 +140,9 @@ class TorchtitanPolicy:
         pre, middle, post = self._side_modules(trace, blocks)
         subtree = trace.index.subtree_params
         post_params = set().union(*(subtree[s] for s in post)) if post else set()
-        tied_pre = [s for s in pre if subtree[s] & post_params]
-        groups: list[list[str]] = [[s] for s in pre if s not in tied_pre] + [[b] for b in [*blocks, *middle]]
+        # (a decoder's embedding, run between an encoder's blocks and its own, tied to the output: one group)
+        tied_pre = [s for s in [*pre, *middle] if subtree[s] & post_params]
+        groups: list[list[str]] = [[s] for s in [*pre, *middle] if s not in tied_pre] + [[b] for b in blocks]
         reshard: list[ReshardAfterForward] = [True] * len(groups)
         # each alone: an unused module (ModuleInfo.unused: why), and one called more than once (pytorch#183702: a
         # module of a list group reused later in the step can fail in backward; ALBERT's shared block's norm beside
