@@ -101,6 +101,14 @@ def test_a_trace_reads_the_same_in_any_key_order_or_as_a_bare_list(tmp_path: Pat
         read_trace(tmp_path / "list.json")  # (its steps and their collectives read: over how many ranks is not said)
 
 
+def test_a_trace_of_too_many_events_is_refused_as_it_is_read(tmp_path: Path, monkeypatch) -> None:
+    from fsdp_planner.calibrate import kineto
+
+    monkeypatch.setattr(kineto, "MAX_EVENTS", 50)
+    with pytest.raises(PlannerError, match=r"t\.json' has more than 50 events: profile fewer steps$"):
+        _read(gpu_trace(steps=2)[0], tmp_path)
+
+
 def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:
     data, _ = gpu_trace(steps=1)
     data["traceEvents"] += ["junk", None, {"ph": "i", "name": 5}]

@@ -361,7 +361,6 @@ def parse_json_trace(raw: bytes, label: str, on_event: Callable[[Any], None]) ->
         text = raw.decode("utf-8-sig")  # (a BOM an editor wrote: not the trace's)
     except UnicodeDecodeError:
         raise PlannerError(f"{label} is not text: expected a torch.profiler Chrome trace (JSON)") from None
-    del raw  # (the caller's copy is its own: this one's reference goes)
     try:
         return _Stream(text).document(on_event)
     except DuplicateKey as e:
