@@ -37,10 +37,11 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from fsdp_planner.errors import PlannerError
@@ -192,7 +193,7 @@ class _Event:
     ts: float  # microseconds
     dur: float
     tid: str
-    args: dict
+    args: Mapping[str, Any]
 
     @property
     def end(self) -> float:
@@ -210,7 +211,9 @@ def read_trace(path: str | Path) -> MeasuredTrace:
     raw = read_bytes(p, label, "a torch.profiler Chrome trace (JSON)", MAX_TRACE_BYTES)
     if raw[:2] == b"\x1f\x8b":
         raw = _gunzip(raw, label)
-    return parse_trace(raw, label, str(path))
+    text = _text(raw, label)
+    del raw  # (its text is all that is read: a large trace's bytes are not held beside it)
+    return parse_text(text, label, str(path))
 
 
 def _gunzip(raw: bytes, label: str) -> bytes:
@@ -354,13 +357,16 @@ class _Stream:
 EVENTS_READ = ("traceEvents",)  # in place of the list the reader gave to its callback
 
 
-def parse_json_trace(raw: bytes, label: str, on_event: Callable[[Any], None]) -> Any:
-    """The trace's JSON with bounded numbers (module docstring), its events given to ``on_event`` one at a time
-    (``_Stream``); one line for anything else."""
+def _text(raw: bytes, label: str) -> str:
     try:
-        text = raw.decode("utf-8-sig")  # (a BOM an editor wrote: not the trace's)
+        return raw.decode("utf-8-sig")  # (a BOM an editor wrote: not the trace's)
     except UnicodeDecodeError:
         raise PlannerError(f"{label} is not text: expected a torch.profiler Chrome trace (JSON)") from None
+
+
+def parse_json_trace(text: str, label: str, on_event: Callable[[Any], None]) -> Any:
+    """The trace's JSON with bounded numbers (module docstring), its events given to ``on_event`` one at a time
+    (``_Stream``); one line for anything else."""
     try:
         return _Stream(text).document(on_event)
     except DuplicateKey as e:
@@ -377,8 +383,13 @@ def parse_json_trace(raw: bytes, label: str, on_event: Callable[[Any], None]) ->
 
 def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
     """A trace from its bytes (``read_trace``)."""
+    return parse_text(_text(raw, label), label, path)
+
+
+def parse_text(text: str, label: str, path: str = "") -> MeasuredTrace:
+    """A trace from its text (``read_trace``)."""
     read = _Events(label)
-    data = parse_json_trace(raw, label, read.add)
+    data = parse_json_trace(text, label, read.add)
     if data is EVENTS_READ:
         data = {"traceEvents": data}
     if not isinstance(data, dict) or data.get("traceEvents") is not EVENTS_READ:
@@ -445,10 +456,12 @@ def _event(e: dict) -> _Event:
     """A complete event that ``_damage`` passed, as kept: its names interned (a kernel's repeat thousands of
     times) and its args cut to what is read (``ARGS_READ``)."""
     cat = e.get("cat")
-    args = e.get("args", {})
+    args = {k: v for k, v in e.get("args", {}).items() if k in ARGS_READ}
     return _Event(sys.intern(e["name"][:MAX_NAME]), sys.intern(cat) if isinstance(cat, str) else "", float(e["ts"]),
-                  float(e.get("dur", 0)), sys.intern(str(e.get("tid", ""))[:100]),
-                  {k: v for k, v in args.items() if k in ARGS_READ})
+                  float(e.get("dur", 0)), sys.intern(str(e.get("tid", ""))[:100]), args or NO_ARGS)
+
+
+NO_ARGS = MappingProxyType({})  # (one for every event none of whose args is read)
 
 
 def _damage(e: dict) -> str | None:
@@ -662,7 +675,7 @@ NCCL_NAMES = (("reduce_scatter", CollectiveKind.REDUCE_SCATTER), ("reducescatter
               ("allreduce", CollectiveKind.ALL_REDUCE), ("all_reduce", CollectiveKind.ALL_REDUCE))
 
 
-def _nccl_collective(args: dict, kernel: _Event, world: int, label: str) -> Communication:
+def _nccl_collective(args: Mapping[str, Any], kernel: _Event, world: int, label: str) -> Communication:
     """The collective ``args`` (``record_param_comms``'s) size, timed by its kernel."""
     name = str(args.get("Collective name", "")).lower()
     kind = next((k for word, k in NCCL_NAMES if word in name), None)
