@@ -7,8 +7,9 @@ Accelerate starts the processes and their process group; the hook's ``shard`` ap
 optimizer is made on the sharded params, and ``prepare`` hands both to Accelerate (whose FSDP2 keeps the sharded
 model as it is). On a machine without GPUs, ``ACCELERATE_USE_CPU=true accelerate launch ...`` runs the processes on
 CPU (gloo; Accelerate calls that MULTI_CPU). A plan with tensor parallelism (``TP_DEGREE``) builds its own (dp_shard,
-tp) mesh and gives it to Accelerate, whose DataLoaders then give each TP group one batch (here: which seed makes the
-step's batch); the loss and its backward run under the export's ``loss_context()``."""
+tp) mesh, which Accelerate does not know: ``prepare`` refuses a DataLoader there (Accelerate would give each rank
+batches of its own), and the loader samples by the data-parallel rank instead, one batch per TP group (here: which
+seed makes the step's batch); the loss and its backward run under the export's ``loss_context()``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import sys
 
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from fsdp_planner.models import load_model
 from fsdp_planner.trace import run_model
@@ -46,8 +47,20 @@ def train(accelerator: Accelerator, plan_code: str, model_name: str) -> None:
     lm = load_model(model_name, meta=False, seed=0)
     model = plan.shard(accelerator, lm.model)  # the plan's fully_shard calls, root last
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # on the sharded params
-    seeds = DataLoader(TensorDataset(torch.arange(3 * accelerator.num_processes // tp)), batch_size=1)
-    model, optimizer, seeds = plan.prepare(accelerator, model, optimizer, seeds)
+    data = TensorDataset(torch.arange(3 * accelerator.num_processes // tp))
+    seeds = DataLoader(data, batch_size=1)
+    if tp == 1:
+        model, optimizer, seeds = plan.prepare(accelerator, model, optimizer, seeds)
+    else:
+        try:  # (Accelerate's split would give the ranks of a TP group batches of their own)
+            plan.prepare(accelerator, model, optimizer, seeds)
+            raise AssertionError("prepare took a DataLoader of a TP plan")
+        except RuntimeError as e:
+            assert "ranks of a TP group must train the same ones" in str(e), e
+        sampler = DistributedSampler(data, num_replicas=accelerator.num_processes // tp,
+                                     rank=accelerator.process_index // tp, shuffle=False)
+        seeds = DataLoader(data, batch_size=1, sampler=sampler)
+        model, optimizer = plan.prepare(accelerator, model, optimizer)
     trained = []
     for (seed,) in seeds:  # 3 a rank: one per data-parallel rank and step
         trained.append(int(seed))

@@ -554,8 +554,10 @@ def test_a_slow_factory_is_said_to_be_the_model_s_own_code(capsys, tmp_path, mon
                     "def fn():\n    time.sleep(0.6)\n    return nn.Linear(8, 4), (torch.randn(2, 8),)\n")
     code, _, err = run_main(capsys, "plan", f"{path}:fn", "--policy", "order")
     assert code == 0, err
-    assert notes(err) == [f"note: building the model '{path}:fn' has run for 0.2 s: that is the model's own code (a "
-                          "download, a loop, a wait?), not the planner's; Ctrl-C stops it"]
+    said = f"note: building the model '{path}:fn' has run for 0.2 s: that is the model's own code (a download, a " \
+           "loop, a wait?), not the planner's; Ctrl-C stops it"
+    # (importing the file, torch's import included, may take 0.2 s too on a busy machine: its own note then)
+    assert said in notes(err) and all("has run for 0.2 s" in n for n in notes(err))
 
 
 # -- 9. the comparison without a repeated block -----------------------------------------------------------------

@@ -65,8 +65,8 @@ def accelerate_config(plan: Plan, precision: Precision) -> str:
               "a checkpoint after it (DCP), not with true"]
     if (plan.mesh is not None and plan.mesh.replicate > 1) or plan.tp_degree > 1:
         lines.append("# the hook builds the plan's (dp_replicate, dp_shard, tp) mesh itself: no parallelism_config; "
-                     "shard gives it to the accelerator, whose prepared DataLoaders then give a TP group's ranks the "
-                     "same batches")
+                     "so its prepare takes no DataLoader of a TP plan (Accelerate would give each rank its own "
+                     "batches): sample by the data-parallel rank, process_index // TP")
     return "\n".join(lines) + "\n"
 
 

@@ -453,16 +453,7 @@ def shard(accelerator: Any, model: nn.Module) -> nn.Module:
         raise RuntimeError(f"Accelerate runs no distributed job here (distributed_type {kind}): launch the script "
                            "with accelerate launch --config_file and the YAML written beside this file (on a machine "
                            "without GPUs, with ACCELERATE_USE_CPU=true)")
-    mesh = make_mesh(accelerator.device.type)
-    if "tp" in (mesh.mesh_dim_names or ()):
-        # the YAML gives Accelerate no parallelism_config (its TP is transformers' own), so it has no mesh, and its
-        # DataLoaders gave each process batches of its own: the ranks of a TP group must train the same ones. With
-        # the plan's mesh (Accelerate's dim names), they split by the data-parallel rank (process index // TP).
-        if accelerator.torch_device_mesh not in (None, mesh):
-            raise RuntimeError("Accelerate has a device mesh of its own (a parallelism_config): drop it from the "
-                               "launch config, the plan's mesh is this hook's")
-        accelerator.state.device_mesh = mesh
-    return apply(model, mesh)
+    return apply(model, make_mesh(accelerator.device.type))
 
 
 def prepare(accelerator: Any, model: nn.Module, *objects: Any) -> Any:
@@ -515,6 +506,18 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, **fsdp_kwargs: Any) ->
     return apply(model, dp, **fsdp_kwargs)
 '''
 
+# a TP plan's prepare refuses a DataLoader: the YAML gives Accelerate no parallelism_config (its TP is transformers'
+# own), so Accelerate has no mesh and gave each process batches of its own, silently, where the ranks of a TP
+# group train the same ones (a trial)
+ACCELERATE_TP_CHECK = '''    if any(isinstance(o, torch.utils.data.DataLoader) for o in objects):
+        raise RuntimeError(f"prepare takes no DataLoader for this plan's TP {TP_DEGREE}: Accelerate would give each "
+                           "process batches of its own, and the ranks of a TP group must train the same ones; give "
+                           "the loader a sampler over the data-parallel ranks (num_replicas=accelerator.num_processes "
+                           f"// {TP_DEGREE}, rank=accelerator.process_index // {TP_DEGREE}) and use it unprepared")
+'''
+ACCELERATE_TP_TAIL = ACCELERATE_TAIL.replace(
+    '    if str(accelerator.distributed_type.value) == "FSDP":\n',
+    ACCELERATE_TP_CHECK + '    if str(accelerator.distributed_type.value) == "FSDP":\n')
 TAILS = {ExportFormat.PYTHON: "", ExportFormat.ACCELERATE: ACCELERATE_TAIL, ExportFormat.LIGHTNING: LIGHTNING_TAIL,
          ExportFormat.TORCHTITAN: TORCHTITAN_TAIL}
 # with TP, ``apply`` takes the whole mesh (its dp and tp dims): torchtitan's world mesh, Lightning's device mesh
@@ -547,7 +550,7 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, **fsdp_kwargs: Any) ->
     """A torchtitan-style ``parallelize`` (in place of ``apply_tp`` and ``apply_fsdp``): TP_LAYOUT over the ``tp``
     dim of ``world_mesh``, then the plan's groups sharded on its ``dp_shard`` (and ``dp_replicate``) dims."""
     return apply(model, world_mesh, **fsdp_kwargs)
-'''}
+''', ExportFormat.ACCELERATE: ACCELERATE_TP_TAIL}
 TITLES = {ExportFormat.PYTHON: "An FSDP2 plan as code: apply(model, mesh).\n\nIn a training script launched by "
                                "torchrun (torchrun --nproc-per-node N train.py): dist.init_process_group(),\nbuild "
                                "the model, "

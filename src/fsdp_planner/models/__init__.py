@@ -19,7 +19,6 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import io
 import json
 import os
 import re
@@ -325,11 +324,13 @@ def user_code(doing: str) -> Iterator[None]:
     timer = threading.Timer(SLOW_USER_CODE_S, _say_slow, (doing,))
     timer.daemon = True
     timer.start()
-    try:
-        with no_hard_exit(), quiet_loggers(*TORCHAO_LOGGERS), patched(sys, "stdin", io.StringIO()):
-            yield
-    finally:
-        timer.cancel()
+    # (the null device, not a StringIO: a real file, with fileno() and encoding, for code that hands stdin on)
+    with open(os.devnull, encoding="utf-8") as empty:
+        try:
+            with no_hard_exit(), quiet_loggers(*TORCHAO_LOGGERS), patched(sys, "stdin", empty):
+                yield
+        finally:
+            timer.cancel()
 
 
 def _say_slow(doing: str) -> None:
@@ -339,9 +340,9 @@ def _say_slow(doing: str) -> None:
 
 def _user_error(e: Exception) -> str:
     """``type: message`` of what a model's code raised; where it read stdin, that the planner gives it none."""
-    said = f"{type(e).__name__}: {e}"
+    said = f"{type(e).__name__}: {e}"  # (input()'s own words: a truncated pickle's EOFError is not stdin's)
     return f"{said} (it reads stdin, which fsdp-planner does not give a model's code)" \
-        if isinstance(e, EOFError) else said
+        if isinstance(e, EOFError) and str(e) == "EOF when reading a line" else said
 
 
 @contextlib.contextmanager
