@@ -72,8 +72,9 @@ def test_gzip_trace_reads_the_same(tmp_path: Path) -> None:
      "has ProfilerStep# ranges on the GPU only"),  # (it said "the first: None")
     ("\x80\x04\x95pickle", "not text"),
     # the events are read one at a time (a trace parsed whole took 13x its size): json's own refusals still hold
-    ('{"traceEvents": [{"ph": "i", "name": "x"},]}', "not valid JSON: Expecting value at line 1 column 43"),
-    ('{"traceEvents": [], }', "not valid JSON: Expecting property name enclosed in double quotes"),
+    # (Python 3.13's json says "Illegal trailing comma before end of ..." where 3.11's says what it expected)
+    ('{"traceEvents": [{"ph": "i", "name": "x"},]}', "not valid JSON: (Expecting value|Illegal trailing comma)"),
+    ('{"traceEvents": [], }', "not valid JSON: (Expecting property name enclosed in double quotes|Illegal trailing)"),
     ('{"traceEvents": [] "x": 1}', "not valid JSON: Expecting ',' delimiter"),
     ('{"traceEvents" []}', "not valid JSON: Expecting ':' delimiter"),
     ('{"traceEvents": []} []', "not valid JSON: Extra data"),
