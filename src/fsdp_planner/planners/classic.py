@@ -141,16 +141,16 @@ class TorchtitanPolicy:
         subtree = trace.index.subtree_params
         post_params = set().union(*(subtree[s] for s in post)) if post else set()
         # (a decoder's embedding, run between an encoder's blocks and its own, tied to the output: one group)
-        tied_pre = [s for s in [*pre, *middle] if subtree[s] & post_params]
-        groups: list[list[str]] = [[s] for s in [*pre, *middle] if s not in tied_pre] + [[b] for b in blocks]
+        tied_before = [s for s in [*pre, *middle] if subtree[s] & post_params]
+        groups: list[list[str]] = [[s] for s in [*pre, *middle] if s not in tied_before] + [[b] for b in blocks]
         reshard: list[ReshardAfterForward] = [True] * len(groups)
         # each alone: an unused module (ModuleInfo.unused: why), and one called more than once (pytorch#183702: a
         # module of a list group reused later in the step can fail in backward; ALBERT's shared block's norm beside
         # the final norm, which check warned of in auto's plan from this baseline)
         unused = [s for s in post if trace.modules[s].unused or trace.forward_calls(s) > 1]
         post = [s for s in post if s not in unused]
-        if post or tied_pre:
-            groups.append(tied_pre + post)
+        if post or tied_before:
+            groups.append(tied_before + post)
             reshard.append(False)
         groups += [[s] for s in unused]
         reshard += [True] * len(unused)
