@@ -327,6 +327,9 @@ def test_float8_skip_keeps_a_head_of_another_name_in_bf16(tmp_path, capsys) -> N
         assert main(["plan", f"{model}:build", "--policy", "titan", "--float8", "tensorwise", "--cluster", "h100:8",
                      "--out", str(path), *extra]) == 0
         runs[extra] = json.loads(path.read_text())["float8"]["filter_fqns"]
+        # the head converted is said, with the flag that keeps it in bf16 (it went to float8 without a word)
+        said = "float8 converts the output head lm_out (the Linear the loss reads) as well" in capsys.readouterr().err
+        assert said == (not extra)
     assert runs[()] == ["output", "lm_head"] and runs[("--float8-skip", "lm_out,lm_out")] == ["output", "lm_head",
                                                                                              "lm_out"]
     capsys.readouterr()
@@ -670,3 +673,16 @@ def test_a_float8_skip_name_in_no_linear_s_name_is_said(capsys) -> None:
                      "--float8-skip", skip]) == 0
         err = capsys.readouterr().err
         assert (f"--float8-skip {skip}: in no Linear's name, so it keeps nothing in bf16" in err) is said
+
+
+def test_the_table_s_caption_says_which_bytes_are_float8(capsys) -> None:
+    """Under float8's all-gather the AG bytes hold the float8 weights at 1 byte and the unsharded column (which
+    knows no float8) at 2: the caption said both were bf16 (a trial)."""
+    from fsdp_planner.cli import main
+
+    for extra, gathered in (((), True), (("--no-float8-all-gather",), False)):
+        assert main(["plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--float8", "tensorwise",
+                     *extra]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert ("AG bytes in bf16 but the float8 Linears' weights, gathered in float8" in out) is gathered
+        assert ("AG bytes and unsharded in bf16 (the simulated precision" in out) is not gathered

@@ -189,6 +189,13 @@ def test_flags_on_the_command_line(capsys):
     assert "give --from-torchtitan too" in capsys.readouterr().err
     args = build_parser().parse_args(["simulate", "--cluster", "h100", "--", "-model.py"])
     assert (args.model, args.torchtitan_flags) == ("-model.py", ())
+    # a number left off a flag read as true, and the error said "= true" of a flag the user gave no value (a trial)
+    for spec in (job("llama3_8b"), str(FIXTURES / "llama3_8b.toml")):
+        assert main(["simulate", "--from-torchtitan", spec, "--cluster", "h100", "--",
+                     "--parallelism.tensor_parallel_degree"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "(--parallelism.tensor_parallel_degree was given no value, and a flag " \
+            "without one sets true: give --parallelism.tensor_parallel_degree VALUE)" in err
 
 
 @pytest.mark.parametrize(("flags", "says"), [

@@ -234,11 +234,15 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
                 cells.append(fmt_margin(report.reserved_memory, budget) if report else "-")
         t.add_row(*cells)
     if with_cost:
-        t.caption = (f"AG bytes and unsharded in {dtype} (the simulated precision, as in the memory breakdown): what "
-                     "one rank's all-gathers return a step and the most params held unsharded at once; allocated: the "
-                     "peak of live tensors, reserved: what the caching allocator holds at it")
-        if float8_gather:
-            t.caption += "; AG bytes gather the float8 Linears' weights in float8 (FSDP2's float8 all-gather)"
+        # under float8's all-gather the gathered float8 weights are 1 byte in AG bytes and the memory breakdown,
+        # while the unsharded column (plan_metrics, which knows no float8) counts them in the dtype (a trial read
+        # "in bf16" of both)
+        said = (f"AG bytes in {dtype} but the float8 Linears' weights, gathered in float8 (FSDP2's float8 "
+                f"all-gather), and unsharded in {dtype}, those weights too (the memory breakdown holds them in "
+                "float8)") if float8_gather else \
+            f"AG bytes and unsharded in {dtype} (the simulated precision, as in the memory breakdown)"
+        t.caption = (f"{said}: what one rank's all-gathers return a step and the most params held unsharded at once; "
+                     "allocated: the peak of live tensors, reserved: what the caching allocator holds at it")
     else:
         t.caption = (f"AG bytes, peak unsharded and idle (avg) in {dtype}: what one rank's all-gathers return a "
                      "step, the most params held unsharded at once, and unsharded bytes not being read, averaged "

@@ -23,6 +23,7 @@ from fsdp_planner.configs.torchtitan_registry import (
     LOSS_TABLE,
     PLAN_TABLE,
     TOKENS,
+    bare_flags_said,
     default_tokens,
     is_registry_spec,
     parse_flags,
@@ -172,6 +173,11 @@ KEY_NAMES = {
 def read_config(kind: str, path: str, flags: Sequence[str] = ()) -> JobConfig:
     """The job ``path`` describes, as ``kind`` (TORCHTITAN or ACCELERATE) reads it; torchtitan's ``path`` is a TOML
     or a registry job (``FILE.py:FUNCTION``, ``configs/torchtitan_registry.py``), ``flags`` its dotted overrides."""
+    with bare_flags_said(flags):
+        return _read_config(kind, path, flags)
+
+
+def _read_config(kind: str, path: str, flags: Sequence[str]) -> JobConfig:
     if kind == TORCHTITAN and is_registry_spec(path):
         data, notes = read_registry(path, parse_flags(flags))
         loss = data.pop(LOSS_TABLE, {})

@@ -14,11 +14,12 @@ Torch-free.
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import importlib.util
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,7 @@ class Override:
 
     key: str
     value: Any
+    bare: bool = field(default=False, compare=False)  # a flag given no value (``--section.flag``): true
 
 
 def is_registry_spec(spec: str) -> bool:
@@ -196,11 +198,28 @@ def parse_flags(tokens: Sequence[str]) -> tuple[Override, ...]:
         if not values and last.startswith("no_"):  # tyro's --section.no-flag
             out.append(Override(".".join([*section, last[3:]]), False))
         elif not values:
-            out.append(Override(".".join([*section, last]), True))
+            out.append(Override(".".join([*section, last]), True, bare=True))
         else:
             parsed = [_flag_value(v) for v in values]
             out.append(Override(".".join([*section, last]), parsed[0] if len(parsed) == 1 else parsed))
     return tuple(out)
+
+
+@contextlib.contextmanager
+def bare_flags_said(flags: Sequence[str]) -> Iterator[None]:
+    """A setting refused as ``key = true`` where its flag was given no value says so: torchtitan's bare flag sets
+    true, and ``--training.local_batch_size`` with its number left off read as "= true is not a whole number"."""
+    try:
+        yield
+    except PlannerError as e:
+        try:
+            bare = [o.key for o in parse_flags(flags) if o.bare and f"{o.key} = true" in str(e)]
+        except PlannerError:
+            raise e from None
+        if not bare:
+            raise
+        raise PlannerError(f"{e} (--{bare[0]} was given no value, and a flag without one sets true: give "
+                           f"--{bare[0]} VALUE)") from None
 
 
 def _flag_error(token: str) -> str:

@@ -142,7 +142,13 @@ def _dtype_notes(tr: Trace, job: PlanJob, reporter: Reporter) -> None:
     if idle:  # (a typo in --float8-skip kept nothing in bf16, without a word: a trial)
         reporter.note(f"--float8-skip {','.join(idle[:5])}: in no Linear's name, so it keeps nothing in bf16 (a "
                       "Linear whose name holds an entry is, e.g. layers.0.attention.wq)")
-    if not converted_linears(tr, f8):
+    converted = converted_linears(tr, f8)
+    if (head := output_layer(tr)) is not None and head.module in converted:  # (a head of another name than
+        # torchtitan's filter knows went to float8 without a word: a trial)
+        reporter.note(f"float8 converts the output head {head.module} (the Linear the loss reads) as well: "
+                      "torchtitan's jobs keep theirs in bf16 by naming it in float8's filter_fqns (here "
+                      f"{', '.join(f8.filter_fqns) or 'none'}); --float8-skip {head.module} keeps it so")
+    if not converted:
         reporter.note("--float8 converts nothing in this model: torchao swaps plain nn.Linear layers whose dims are "
                       f"multiples of {FLOAT8_DIM_MULTIPLE} (and not filtered out), and it has none, so the step is "
                       f"the {job.options.precision.name} one")
