@@ -181,3 +181,23 @@ def test_the_zygote_preloads_the_modules_its_setting_names_and_leaves_out_the_re
     assert "json.tool" in sys.modules and "no_such_module_here" not in sys.modules
     zygote.preload_modules(",".join(["json"] * 100 + ["xml.dom.minidom"]))
     assert "xml.dom.minidom" not in sys.modules
+
+
+def test_the_launcher_names_rendezvous_events_as_torch_does_without_reading_the_stack() -> None:
+    """torchrun's rendezvous names each event by its caller's caller (``get_method_name``: ``inspect.stack()``,
+    which reads every frame's source and, in a launcher forked from the zygote, searches its thousands of modules):
+    the launcher's ``caller_name`` gives the same names from the frames alone."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import get_method_name
+
+    from fsdp_planner.runtime.launch import caller_name
+
+    def by(name_of):  # an event recorded two calls below the function it is named by
+        def record():
+            return name_of()
+        return record()
+
+    def next_rendezvous():
+        return by(get_method_name), by(caller_name)
+
+    assert next_rendezvous() == ("by", "by")
+    assert caller_name(10_000) == get_method_name(10_000) == "no_method_name"

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.run import parse_args, run
 
 from fsdp_planner.patching import patched
@@ -57,7 +58,8 @@ def main(argv: list[str]) -> int:
     try:
         # torch.multiprocessing's per-rank error files (a forked rank's, kept when it raised) under the job's
         # directory, removed with it; a forked rank takes the temp directory back (``as_fresh_interpreter``)
-        with patched(tempfile, "tempdir", str(exits_path.parent)):
+        with patched(tempfile, "tempdir", str(exits_path.parent)), \
+                patched(dynamic_rendezvous, "get_method_name", caller_name):
             run(parse_args([*torchrun_args, *ranks, job_path]))
     except ChildFailedError as e:
         exits_path.write_text(json.dumps({str(rank): f.exitcode for rank, f in e.failures.items()}))
@@ -65,6 +67,18 @@ def main(argv: list[str]) -> int:
     except SignalException as e:  # torchrun stopped its ranks on a signal sent to it: die of it, not a traceback
         return die_of(e.sigval)
     return 0
+
+
+def caller_name(depth: int = 2) -> str:
+    """The name of the function ``depth`` frames up, what torchrun's rendezvous names each event it records by
+    (``dynamic_rendezvous.get_method_name``): from the frame itself, where torch's ``inspect.stack()``, twice an
+    event, reads every frame's source file and searches ``sys.modules`` for it (a launcher forked from the
+    suite's zygote, with transformers imported: 2% of the whole suite's CPU, py-spy)."""
+    try:
+        return sys._getframe(depth).f_code.co_name  # (this function's own frame is depth 0, as the stack's first
+        # entry is)
+    except ValueError:  # a stack shallower than that
+        return "no_method_name"  # (torch's word)
 
 
 def rank_command(module: str) -> list[str]:
