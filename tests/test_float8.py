@@ -332,7 +332,14 @@ def test_float8_skip_keeps_a_head_of_another_name_in_bf16(tmp_path, capsys) -> N
         assert said == (not extra)
     assert runs[()] == ["output", "lm_head"] and runs[("--float8-skip", "lm_out,lm_out")] == ["output", "lm_head",
                                                                                              "lm_out"]
-    capsys.readouterr()
+    # a head whose name is part of other Linears' names: the flag, matching parts of names, keeps those too
+    model.write_text(model.read_text().replace("lm_out", "out").replace("nn.Linear(32, 32) for", "Block() for")
+                     .replace("class Net", "class Block(nn.Module):\n    def __init__(self):\n        super()"
+                              ".__init__()\n        self.out_proj = nn.Linear(32, 32)\n\n    def forward(self, x):"
+                              "\n        return self.out_proj(x)\n\n\nclass Net"))
+    assert main(["plan", f"{model}:build", "--policy", "titan", "--float8", "tensorwise", "--cluster", "h100:8"]) == 0
+    assert "--float8-skip out keeps it so, and every Linear whose name holds it (layers.0.out_proj, " \
+        "layers.1.out_proj)" in " ".join(capsys.readouterr().err.split())
     assert main(["plan", f"{model}:build", "--float8-skip", "lm_out", "--cluster", "h100:8"]) == 2
     assert "--float8-skip names Linears float8 training leaves in bf16: give --float8" in capsys.readouterr().err
 

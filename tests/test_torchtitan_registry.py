@@ -196,6 +196,12 @@ def test_flags_on_the_command_line(capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "(--parallelism.tensor_parallel_degree was given no value, and a flag " \
             "without one sets true: give --parallelism.tensor_parallel_degree VALUE)" in err
+    # a bare flag an error asks to be true ("async TP needs compile.enable = true ...") gets no such hint (a review)
+    assert main(["simulate", "--from-torchtitan", str(FIXTURES / "llama3_8b.toml"), "--cluster", "h100", "--",
+                 "--compile.enable", "--compile.components", "loss", "--parallelism.tensor_parallel_degree", "2",
+                 "--parallelism.enable_async_tensor_parallel"]) == 2
+    err = capsys.readouterr().err
+    assert "compile.enable = true" in err and "given no value" not in err
 
 
 @pytest.mark.parametrize(("flags", "says"), [

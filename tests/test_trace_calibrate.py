@@ -122,6 +122,11 @@ def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:
                                            r"first: its 'name' is not a string\)"):
         _read(data, tmp_path)
     data["traceEvents"] = data["traceEvents"][:-3]
+    # a kernel's correlation id that is no number is no launch (a list or a table was a TypeError: a review)
+    kernel = next(e for e in data["traceEvents"] if e.get("cat") == "kernel" and "nccl" not in e["name"].lower())
+    for odd in ([1], {"a": 1}):
+        kernel["args"]["correlation"] = odd
+        assert len(_read(data, tmp_path).steps) == 1
     comm = next(e for e in data["traceEvents"] if e.get("name") == "record_param_comms")
     comm["args"]["dtype"] = "Mystery"
     with pytest.raises(PlannerError, match="record_param_comms"):

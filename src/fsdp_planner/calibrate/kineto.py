@@ -525,10 +525,15 @@ class _Timeline:
         # keeps it); a kernel with none is taken at its own start
         self.launches = {e.args.get("correlation"): e.ts for e in events
                          if e.cat in LAUNCH_CATS and isinstance(e.args.get("correlation"), int)}
-        launched = {i: self.launches.get(e.args.get("correlation"), e.ts) for i, e in enumerate(events)
-                    if e.cat in KERNEL_CATS}
+        launched = {i: self.launch(e, e.ts) for i, e in enumerate(events) if e.cat in KERNEL_CATS}
         self.by_launch = sorted(launched, key=launched.__getitem__)
         self.launch_times = [launched[i] for i in self.by_launch]
+
+    def launch(self, e: _Event, default: float) -> float:
+        """When the host launched GPU work ``e`` (``default`` where no launch has its correlation id, or the id is
+        not a number: a trace's args are data)."""
+        correlation = e.args.get("correlation")
+        return self.launches.get(correlation, default) if isinstance(correlation, int) else default
 
     def starting(self, start: float, end: float) -> list[_Event]:
         """The events that start from ``start`` to ``end``, both included."""
@@ -664,7 +669,6 @@ def _gpu_work(timeline: _Timeline, bounds: Interval, world: int, label: str,
     apart)."""
     start, end = bounds
     backward, stepping = ranges
-    launches = timeline.launches
     kernels = sorted(timeline.launched(start, end), key=lambda e: e.ts)
     comms = [e for e in kernels if "nccl" in e.name.lower()]
     sizes = [e for e in timeline.starting(start, end) if e.name == "record_param_comms"
@@ -679,10 +683,10 @@ def _gpu_work(timeline: _Timeline, bounds: Interval, world: int, label: str,
                                "record_param_comms op to size it (profile with record_shapes=True)")
         collectives.append((_nccl_collective(args, kernel, world, label), kernel.ts, kernel.end))
     in_optimizer = _inside(stepping)
-    ops = [(e, None if in_optimizer(launches.get(e.args.get("correlation"), -1.0)) else op_class(e.name, True))
+    ops = [(e, None if in_optimizer(timeline.launch(e, -1.0)) else op_class(e.name, True))
            for e in kernels if "nccl" not in e.name.lower()]
     inside = _inside(backward)
-    launched_in = [(e.ts, e.end) for e, _ in ops if inside(launches.get(e.args.get("correlation"), -1.0))]
+    launched_in = [(e.ts, e.end) for e, _ in ops if inside(timeline.launch(e, -1.0))]
     return ops, collectives, max([end, *(e.end for e in kernels)]), launched_in
 
 

@@ -213,13 +213,14 @@ def bare_flags_said(flags: Sequence[str]) -> Iterator[None]:
         yield
     except PlannerError as e:
         try:
-            bare = [o.key for o in parse_flags(flags) if o.bare and f"{o.key} = true" in str(e)]
+            # (the value refused, "KEY = true is not ...", not a setting an error asks for: "needs KEY = true")
+            bare = [o.key for o in parse_flags(flags) if o.bare and f"{o.key} = true is not" in str(e)]
         except PlannerError:
             raise e from None
         if not bare:
             raise
         raise PlannerError(f"{e} (--{bare[0]} was given no value, and a flag without one sets true: give "
-                           f"--{bare[0]} VALUE)") from None
+                           f"--{bare[0]} VALUE)") from e
 
 
 def _flag_error(token: str) -> str:

@@ -145,9 +145,12 @@ def _dtype_notes(tr: Trace, job: PlanJob, reporter: Reporter) -> None:
     converted = converted_linears(tr, f8)
     if (head := output_layer(tr)) is not None and head.module in converted:  # (a head of another name than
         # torchtitan's filter knows went to float8 without a word: a trial)
+        also = [n for n in converted if head.module in n and n != head.module]  # (the filter matches parts of
+        # names: "out" keeps every out_proj in bf16 too: a review)
         reporter.note(f"float8 converts the output head {head.module} (the Linear the loss reads) as well: "
                       "torchtitan's jobs keep theirs in bf16 by naming it in float8's filter_fqns (here "
-                      f"{', '.join(f8.filter_fqns) or 'none'}); --float8-skip {head.module} keeps it so")
+                      f"{', '.join(f8.filter_fqns) or 'none'}); --float8-skip {head.module} keeps it so"
+                      + (f", and every Linear whose name holds it ({short_list(also)})" if also else ""))
     if not converted:
         reporter.note("--float8 converts nothing in this model: torchao swaps plain nn.Linear layers whose dims are "
                       f"multiples of {FLOAT8_DIM_MULTIPLE} (and not filtered out), and it has none, so the step is "
