@@ -36,6 +36,18 @@ os.environ[PRELOAD_ENV] = ",".join(("transformers", "transformers.activations", 
                                         "phi3", "llama4", "llava", "qwen3_5", "nemotron_h", "jamba", "clip"))))
 
 
+SLOW = frozenset(line for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
+                 if line and not line.startswith("#"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``integration`` the test functions a full run measured over 0.3 s (``slow_tests.txt``,
+    written by ``slow_tests.py``), beside those marked so where they are defined: the fast subset is what is left."""
+    for item in items:
+        if item.nodeid.partition("[")[0] in SLOW:
+            item.add_marker(pytest.mark.integration)
+
+
 def as_users_run() -> dict[str, str]:
     """This process's environment less the suite's own launch settings: torchrun's launcher and ranks started
     fresh, as every ``verify`` a user runs starts them."""

@@ -987,6 +987,21 @@ def test_plan_what_ifs_of_a_comparison_are_autos(capsys):
     assert float8_line() == float8_line("--policy", "auto")
 
 
+def test_the_groups_table_says_its_bytes_are_the_model_s_under_tp(capsys):
+    """Under TP the groups table and the order policy's label count a group's bytes before TP splits them (a
+    trial: "order(832 MiB)" at TP 2, whose ranks hold 416 MiB of each block): its caption says so; without TP none."""
+    from fsdp_planner.cli import main
+
+    def caption(*tp: str) -> list[str]:
+        assert main(["plan", "toy-llama", "--policy", "order", "--cluster", "h100:8", *tp]) == 0
+        return [x for x in capsys.readouterr().out.splitlines() if x.startswith("params and bytes: the model's")]
+
+    assert caption("--tp", "2") == ["params and bytes: the model's, in its own dtype, before TP 2 split them across "
+                                    "ranks (as --target-bytes counts them); what one rank holds and gathers: the "
+                                    "table below"]
+    assert caption() == []
+
+
 LITTLE_TP_MODEL = """
 import torch
 from torch import nn

@@ -72,7 +72,8 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--min-nonwrapped-numel", default=None,
                     help="size policy threshold in elements, e.g. 100000000 or 1e8 (default 1e8, FSDP1's; at most "
                          "1e15)")
-    sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB (default: one block)")
+    sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB, in the model's bytes before TP "
+                    "splits them (default: one block)")
     add_auto_options(sp)
 
 

@@ -273,6 +273,10 @@ def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
                   fmt_bytes(nbytes), raf, checkpoint)
         if len(shown) < len(plan.groups) and i == limit - 2:
             t.add_row("...", f"({len(plan.groups) - limit} more groups)", "", "", "", "")
+    split = [f"TP {plan.tp_degree}"] * (plan.tp_degree > 1) + [f"EP {plan.ep_degree}"] * (plan.ep_degree > 1)
+    if split:  # a rank holds less of each group than the model does (the order policy's sizes count the model's)
+        t.caption = (f"params and bytes: the model's, in its own dtype, before {' and '.join(split)} split them "
+                     "across ranks (as --target-bytes counts them); what one rank holds and gathers: the table below")
     return t
 
 
