@@ -135,6 +135,52 @@ def test_fit_gpus_auto_is_plans_fewest(capsys, tmp_path):
     assert f"({ratio:.2f}x the tokens/s)" in out, out
 
 
+@pytest.mark.integration  # a fit twice in process: ~8 s
+def test_the_state_floor_is_below_every_peak_and_spares_fit_the_searches_it_rules_out(capsys, tmp_path,
+                                                                                     monkeypatch):
+    """``state_floor`` (the model's params, grads and optimizer state over the GPUs) is below the reserved peak of
+    every plan simulated, in each precision and with frozen params; ``fit --gpus auto --no-offload`` answers
+    without screening the counts it rules out (DeepSeek-V3 on 8-64 H100s: 5-12 s each), the same answer."""
+    from conftest import policy, traced
+
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.planners.auto import AutoPolicy
+    from fsdp_planner.service.fit import Points
+    from fsdp_planner.sim.memory import state_floor
+    from fsdp_planner.sim.options import SimOptions
+    from fsdp_planner.sim.simulate import simulate
+
+    for spec in ("toy-llama", "toy-llama-lora", "toy-gpt2-tied"):
+        tr = traced(spec)
+        for options in (SimOptions(), SimOptions.named("pure-bf16"), SimOptions.named("fp32")):
+            for world in (1, 2, 8):
+                floor = state_floor(tr, options, world)
+                for name in ("titan", "order", "size"):
+                    plan = policy(name).plan(tr)
+                    peak = simulate(tr, plan, parse_cluster(f"h100:{world}"), options, timeline=False)
+                    assert 0 < floor <= peak.reserved_memory, (spec, options.precision, world, name)
+    cluster = tmp_path / "one_gpu_nodes.json"
+    preset_cluster("h100", nodes=1, gpus_per_node=1).save(cluster)
+    argv = ("fit", "toy-llama", "--cluster", str(cluster), "--gpus", "auto", "--batch", "1", "--seq", "32",
+            "--memory-budget", "1.5MB", "--max-gpus", "16", "--no-offload")
+    assert state_floor(traced("toy-llama"), SimOptions(), 2) > 1.5e6  # (1 and 2 GPUs ruled out)
+    searched: list[tuple] = []
+    search = Points._search
+
+    def counted(self, key, screen, first):
+        if screen:
+            searched.append(key[2])
+        return search(self, key, screen, first)
+
+    monkeypatch.setattr(Points, "_search", counted)
+    floored = run_json(capsys, *argv)
+    screened = list(searched)
+    monkeypatch.setattr(AutoPolicy, "state_over_budget", lambda self, trace: False)
+    searched.clear()
+    assert run_json(capsys, *argv) == floored and floored["gpus"]["fewest"] > 2
+    assert min(screened) > 2 and sorted(searched) == sorted([1, 2, *screened])
+
+
 @pytest.mark.integration  # two fits and a plan in process: ~9 s
 def test_fit_takes_tp_as_plan_does(capsys):
     """``fit --tp 2`` fits the TP layout (it searched without TP before, silently), and each point is ``plan --tp

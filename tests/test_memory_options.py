@@ -389,3 +389,29 @@ def test_the_layouts_line_says_which_fit_with_cpu_offload():
     assert line.count("(CPU offload)") == sum(layout.fits for layout in summary.layouts) > 0
     plain = summarize(AutoPolicy(parse_cluster("h100:16")).search(tr))
     assert "(CPU offload)" not in mesh_line(plain)
+
+
+@pytest.mark.integration  # four searches: ~2.5 s
+def test_auto_does_not_try_dim1_sharding_alone_under_a_budget_the_state_alone_is_over(monkeypatch) -> None:
+    """Where the model's params, grads and optimizer state over the GPUs (``state_floor``) are over the budget,
+    dim-1 sharding without CPU offload cannot fit (it moves no state off the GPU): auto goes on to offload without
+    searching it; where they are under, it is tried first as before."""
+    from fsdp_planner.sim.memory import state_floor
+
+    tr = _traced("toy-llama", SimOptions())
+    cluster = parse_cluster("h100:64")
+    assert shard_dims(tr, 64, ShardPlacement.AUTO)  # (params dim-1 sharding applies to)
+    searched: list[tuple[bool, ShardPlacement]] = []
+    search = AutoPolicy._search
+
+    def counted(self, trace, model, start=None):
+        searched.append((self.options.offload, self.options.shard_placement))
+        return search(self, trace, model, start)
+
+    monkeypatch.setattr(AutoPolicy, "_search", counted)
+    floor = state_floor(tr, SimOptions(), 64)
+    for budget, dim1_alone in ((int(floor * 0.9), False), (int(floor * 1.1), True)):
+        searched.clear()
+        AutoPolicy(cluster, memory_budget=budget).search(tr)
+        assert ((False, ShardPlacement.AUTO) in searched) == dim1_alone, (budget, searched)
+        assert (True, ShardPlacement.DIM0) in searched  # (nothing fits either budget without offload)

@@ -155,6 +155,8 @@ class Points:
             known = self.staged.get(key)
             if known is not None and (known.complete or plain):
                 return _fits(known, plain)
+            if plain and key not in self.screens and self._state_over_budget(key):
+                return False
             return _fits(self._stages(key, full=not plain or self._dim1(key), screen=True), plain)
         return fits
 
@@ -172,6 +174,13 @@ class Points:
         positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         ok = isinstance(positions, int) and not isinstance(positions, bool) and learned_positions(model) is None
         return positions if ok else None
+
+    def _state_over_budget(self, key: Key) -> bool:
+        """Whether the model's state alone rules the point out without CPU offload (``state_over_budget``), which
+        a screen would find at length (DeepSeek-V3 on 8-128 H100s: 5-15 s each, each saying no). A search in full
+        still runs where asked: its point is a row of the table (the count below the answer, and why it does not
+        fit)."""
+        return self._policy(key, tensor_parallel=False).state_over_budget(self._trace(key))
 
     def _stages(self, key: Key, full: bool, screen: bool) -> Staged:
         store = self.screens if screen else self.staged

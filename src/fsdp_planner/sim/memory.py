@@ -717,6 +717,18 @@ def strategy_table(trace: Trace, world_size: int, options: SimOptions) -> dict[s
     }
 
 
+def state_floor(trace: Trace, options: SimOptions, world_size: int) -> float:
+    """The params, grads and optimizer state of the whole model (as stored: the sharded params' dtype, frozen ones
+    their own) over ``world_size`` ranks: no rank's peak without CPU offload is lower, whatever the grouping, mesh,
+    TP or EP, since the optimizer step holds every element of them on some rank (HSDP: on a replica each) and
+    padding only adds."""
+    prec, opt = options.precision, options.optimizer
+    trainable = sum(p.numel for p in trace.params if p.requires_grad)
+    per_element = prec.grad_bytes + opt.state_bytes_per_element(prec.param_bytes)
+    whole = Sizing(trace, 1, prec).stored_shard_bytes + trainable * per_element
+    return whole / world_size
+
+
 def grads_produced(trace: Trace, precision: Precision) -> np.ndarray:
     """Bytes of grads held after each event (index ``len(events)``: after the final callback): each param that
     autograd gives a grad, from when its grad is complete (the ops computing a weight's grad need not read it)."""

@@ -63,6 +63,7 @@ from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.planners.tensor_parallel import TPChoice
 from fsdp_planner.sim.budget import Headroom, MemoryBudget
+from fsdp_planner.sim.memory import state_floor
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.sim.sizing import shard_dims
@@ -263,6 +264,8 @@ class AutoPolicy:
             if result.fits:
                 return self._faster_on_dim1(trace, model, result)
             ways = self._ways_out(trace, result)
+            if ways and self.state_over_budget(trace):  # dim-1 sharding alone cannot fit (it shrinks no state)
+                ways = [w for w in ways if w[0]]
             for offload, placement in ways:
                 tried = replace(self, options=self.options.with_memory_options(offload, placement),
                                 choose_memory_options=False)._search(trace, model)
@@ -685,6 +688,11 @@ class AutoPolicy:
             else:
                 lo = mid + 1
         return lo
+
+    def state_over_budget(self, trace: Trace) -> bool:
+        """Whether the model's params and optimizer state alone, spread over the cluster's GPUs, are over the budget
+        (``state_floor``): then no plan fits without CPU offload, and ``fit`` need not search to say so."""
+        return state_floor(trace, self.options, self.cluster.world_size) > self._budget().limit
 
     def _budget(self) -> MemoryBudget:
         gpu = self.cluster.gpu
