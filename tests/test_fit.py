@@ -139,26 +139,35 @@ def test_fit_gpus_auto_is_plans_fewest(capsys, tmp_path):
 def test_the_state_floor_is_below_every_peak_and_spares_fit_the_searches_it_rules_out(capsys, tmp_path,
                                                                                      monkeypatch):
     """``state_floor`` (the model's params, grads and optimizer state over the GPUs) is below the reserved peak of
-    every plan simulated, in each precision and with frozen params; ``fit --gpus auto --no-offload`` answers
+    every plan simulated (each precision and zero_grad, SGD and bf16 states, micro-batches, dim-1 sharding, frozen
+    params, a trainable head no step calls); ``fit --gpus auto --no-offload`` answers
     without screening the counts it rules out (DeepSeek-V3 on 8-64 H100s: 5-12 s each), the same answer."""
+    import torch.nn as nn
     from conftest import policy, traced
 
     from fsdp_planner.hardware.cluster import parse_cluster
-    from fsdp_planner.planners.auto import AutoPolicy
+    from fsdp_planner.models import load_model
     from fsdp_planner.service.fit import Points
     from fsdp_planner.sim.memory import state_floor
     from fsdp_planner.sim.options import SimOptions
     from fsdp_planner.sim.simulate import simulate
+    from fsdp_planner.trace import record
 
-    for spec in ("toy-llama", "toy-llama-lora", "toy-gpt2-tied"):
-        tr = traced(spec)
-        for options in (SimOptions(), SimOptions.named("pure-bf16"), SimOptions.named("fp32")):
+    lm = load_model("tests/fixtures/unused_head.py:build", meta=True)
+    lm.model.aux_head = nn.Linear(32, 1 << 16, device="meta")  # a head no step calls, most of the model: trainable,
+    unused = record(lm.model, lm.example_inputs, lm.loss_fn)  # no grad (the floor counts none)
+    traces = {spec: traced(spec) for spec in ("toy-llama", "toy-llama-lora", "toy-gpt2-tied")} | {"unused": unused}
+    every = (SimOptions(), SimOptions.named("pure-bf16"), SimOptions.named("fp32"), SimOptions.named(zero_grad="zeros"),
+             SimOptions.named(optimizer="sgd"), SimOptions.named(optimizer="adamw-fused-bf16-states"),
+             SimOptions.named(micro_batches=2), SimOptions.named(shard_placement="auto"))
+    for spec, tr in traces.items():
+        for options in every:
             for world in (1, 2, 8):
                 floor = state_floor(tr, options, world)
-                for name in ("titan", "order", "size"):
+                for name in ("order", "size", *(("titan",) if spec != "unused" else ())):
                     plan = policy(name).plan(tr)
                     peak = simulate(tr, plan, parse_cluster(f"h100:{world}"), options, timeline=False)
-                    assert 0 < floor <= peak.reserved_memory, (spec, options.precision, world, name)
+                    assert 0 < floor <= peak.reserved_memory, (spec, options, world, name)
     cluster = tmp_path / "one_gpu_nodes.json"
     preset_cluster("h100", nodes=1, gpus_per_node=1).save(cluster)
     argv = ("fit", "toy-llama", "--cluster", str(cluster), "--gpus", "auto", "--batch", "1", "--seq", "32",
@@ -175,7 +184,7 @@ def test_the_state_floor_is_below_every_peak_and_spares_fit_the_searches_it_rule
     monkeypatch.setattr(Points, "_search", counted)
     floored = run_json(capsys, *argv)
     screened = list(searched)
-    monkeypatch.setattr(AutoPolicy, "state_over_budget", lambda self, trace: False)
+    monkeypatch.setattr(Points, "_state_over_budget", lambda self, key: False)
     searched.clear()
     assert run_json(capsys, *argv) == floored and floored["gpus"]["fewest"] > 2
     assert min(screened) > 2 and sorted(searched) == sorted([1, 2, *screened])

@@ -51,7 +51,9 @@ from fsdp_planner.service.planning import (
     with_ep_at_tp,
     with_ep_tp,
 )
+from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.compute import peak_flops
+from fsdp_planner.sim.memory import state_floor
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.sim.sizing import shard_dims
@@ -103,6 +105,7 @@ class Points:
         self.searches = 0  # searches run (either kind, each stage one)
         # with --ep: each result under EP -> (it, auto's result before EP), which the next stage starts from
         self._before_ep: dict[int, tuple[AutoResult, AutoResult]] = {}
+        self._over_budget: dict[Key, bool] = {}  # ``_state_over_budget``'s answers
 
     @property
     def seen(self) -> dict[Key, FitPoint]:
@@ -180,7 +183,14 @@ class Points:
         a screen would find at length (DeepSeek-V3 on 8-128 H100s: 5-15 s each, each saying no). A search in full
         still runs where asked: its point is a row of the table (the count below the answer, and why it does not
         fit)."""
-        return self._policy(key, tensor_parallel=False).state_over_budget(self._trace(key))
+        if key not in self._over_budget:  # (auto's budget, without building its policy: its TP layouts)
+            request, cluster = self.job.auto, self._cluster(key)
+            assert request is not None
+            budget = MemoryBudget.given(request.memory_budget, cluster.gpu.memory_bytes, cluster.gpu.name,
+                                        request.headroom)
+            self._over_budget[key] = state_floor(self._trace(key), self.job.options, cluster.world_size) > \
+                budget.limit
+        return self._over_budget[key]
 
     def _stages(self, key: Key, full: bool, screen: bool) -> Staged:
         store = self.screens if screen else self.staged

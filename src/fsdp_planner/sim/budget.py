@@ -99,6 +99,13 @@ class MemoryBudget:
             raise PlannerError("the memory budget must be positive")
         return cls(limit, capacity, gpu, None)
 
+    @classmethod
+    def given(cls, memory_budget: int | None, capacity: int, gpu: str, headroom: Headroom | None = None
+              ) -> MemoryBudget:
+        """``memory_budget`` where given (``explicit``), else the GPU's capacity less ``headroom`` (``of_gpu``)."""
+        return cls.explicit(memory_budget, capacity, gpu) if memory_budget is not None else \
+            cls.of_gpu(capacity, gpu, headroom)
+
     @property
     def source(self) -> str:
         """Where the budget comes from, e.g. ``one H100 (80 GB) less 5% headroom``."""

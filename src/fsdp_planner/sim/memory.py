@@ -721,11 +721,15 @@ def state_floor(trace: Trace, options: SimOptions, world_size: int) -> float:
     """The params, grads and optimizer state of the whole model (as stored: the sharded params' dtype, frozen ones
     their own) over ``world_size`` ranks: no rank's peak without CPU offload is lower, whatever the grouping, mesh,
     TP or EP, since the optimizer step holds every element of them on some rank (HSDP: on a replica each) and
-    padding only adds."""
+    padding only adds. Grads: of the params the step gives one (``reducible``), as ``kept_grads`` counts them;
+    under ``zero_grad(set_to_none=False)`` of every trainable param, as the static grads are."""
     prec, opt = options.precision, options.optimizer
     trainable = sum(p.numel for p in trace.params if p.requires_grad)
-    per_element = prec.grad_bytes + opt.state_bytes_per_element(prec.param_bytes)
-    whole = Sizing(trace, 1, prec).stored_shard_bytes + trainable * per_element
+    reducible = trace.index.reducible
+    with_grads = trainable if options.zero_grad is ZeroGrad.ZEROS else \
+        sum(p.numel for p, r in zip(trace.params, reducible, strict=True) if r)
+    whole = Sizing(trace, 1, prec).stored_shard_bytes + trainable * opt.state_bytes_per_element(prec.param_bytes) + \
+        with_grads * prec.grad_bytes
     return whole / world_size
 
 

@@ -696,9 +696,7 @@ class AutoPolicy:
 
     def _budget(self) -> MemoryBudget:
         gpu = self.cluster.gpu
-        if self.memory_budget is not None:
-            return MemoryBudget.explicit(self.memory_budget, gpu.memory_bytes, gpu.name)
-        return MemoryBudget.of_gpu(gpu.memory_bytes, gpu.name, self.headroom)
+        return MemoryBudget.given(self.memory_budget, gpu.memory_bytes, gpu.name, self.headroom)
 
 
 @dataclass(frozen=True, eq=False)  # (one layout is itself: compared by identity)
