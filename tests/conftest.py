@@ -36,6 +36,7 @@ os.environ[PRELOAD_ENV] = ",".join(("transformers", "transformers.activations", 
                                         "phi3", "llama4", "llava", "qwen3_5", "nemotron_h", "jamba", "clip"))))
 
 
+ROOT = Path(__file__).resolve().parent.parent
 SLOW = frozenset(line for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
                  if line and not line.startswith("#"))
 
@@ -44,7 +45,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark ``integration`` the test functions a full run measured over 0.3 s (``slow_tests.txt``,
     written by ``slow_tests.py``), beside those marked so where they are defined: the fast subset is what is left."""
     for item in items:
-        if item.nodeid.partition("[")[0] in SLOW:
+        # (named from this checkout's root, as the list is, whatever --rootdir the run was given)
+        name = item.nodeid.partition("::")[2].partition("[")[0]
+        if f"{item.path.relative_to(ROOT).as_posix()}::{name}" in SLOW:
             item.add_marker(pytest.mark.integration)
 
 

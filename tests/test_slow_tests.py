@@ -11,21 +11,50 @@ from slow_tests import LIST, measured
 ROOT = Path(__file__).parent.parent
 
 
-def _names(text: str) -> set[str]:
-    """The functions and classes a test file's ``text`` defines, by name (read, not imported)."""
-    return set(re.findall(r"^\s*(?:async def|def|class) (\w+)", text, re.M))
+def _tests(text: str) -> set[str]:
+    """The tests a test file's ``text`` defines: ``NAME`` for a function of the module, ``CLASS::NAME`` for a
+    method of one of its classes (read, not imported)."""
+    names, cls = set(), None
+    for indent, kind, name in re.findall(r"^( *)(class|(?:async )?def) (\w+)", text, re.M):
+        if kind == "class" and not indent:
+            cls = name
+        elif kind != "class" and not indent:
+            names.add(name)
+        elif kind != "class" and indent == "    " and cls is not None:
+            names.add(f"{cls}::{name}")
+    return names
 
 
 def test_every_listed_slow_test_exists():
     entries = [x for x in LIST.read_text().splitlines() if x and not x.startswith("#")]
     assert entries == sorted(set(entries))
-    names: dict[str, set[str]] = {}
+    tests: dict[str, set[str]] = {}
     for entry in entries:
-        file, *name = entry.split("::")  # FILE::NAME or FILE::CLASS::NAME
+        file, _, name = entry.partition("::")
         assert (ROOT / file).is_file(), entry
-        if file not in names:
-            names[file] = _names((ROOT / file).read_text())
-        assert set(name) <= names[file], f"{entry}: no such test (regenerate the list)"
+        if file not in tests:
+            tests[file] = _tests((ROOT / file).read_text())
+        assert name in tests[file], f"{entry}: no such test (regenerate the list)"
+
+
+def test_a_file_s_tests_are_its_module_s_functions_and_its_classes_methods():
+    text = """def test_a():
+    def nested():
+        pass
+
+
+class TestB:
+    def test_c(self):
+        pass
+
+    async def test_d(self):
+        pass
+
+
+async def test_e():
+    pass
+"""
+    assert _tests(text) == {"test_a", "TestB::test_c", "TestB::test_d", "test_e"}
 
 
 def test_a_durations_report_is_summed_per_function():
