@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from slow_tests import ROOT, listed
 
 from fsdp_planner.models import load_model
 from fsdp_planner.runtime.launch import FORK_ENV
@@ -36,9 +37,7 @@ os.environ[PRELOAD_ENV] = ",".join(("transformers", "transformers.activations", 
                                         "phi3", "llama4", "llava", "qwen3_5", "nemotron_h", "jamba", "clip"))))
 
 
-ROOT = Path(__file__).resolve().parent.parent
-SLOW = frozenset(line for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
-                 if line and not line.startswith("#"))
+SLOW = frozenset(listed())
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -13,10 +13,16 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: the list names tests by their path from it
 LIST = Path(__file__).with_name("slow_tests.txt")
 HEADER = ("# Test functions a full run measured over {over:g} s (call, setup and teardown of all their parameters);\n"
           "# conftest.py marks them integration. Regenerate: python tests/slow_tests.py LOG (its docstring).\n")
 DURATION = re.compile(r"([\d.]+)s (?:call|setup|teardown)\s+(tests/\S+?\.py::[^\s\[]+)")
+
+
+def listed() -> list[str]:
+    """The list's entries (``FILE::NAME``), in its order."""
+    return [line for line in LIST.read_text().splitlines() if line and not line.startswith("#")]
 
 
 def measured(log: str) -> dict[str, float]:

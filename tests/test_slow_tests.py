@@ -4,11 +4,8 @@ removed test does not leave the list, and the subset, silently stale."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-from slow_tests import LIST, measured
-
-ROOT = Path(__file__).parent.parent
+from slow_tests import ROOT, listed, measured
 
 
 def _tests(text: str) -> set[str]:
@@ -26,7 +23,7 @@ def _tests(text: str) -> set[str]:
 
 
 def test_every_listed_slow_test_exists():
-    entries = [x for x in LIST.read_text().splitlines() if x and not x.startswith("#")]
+    entries = listed()
     assert entries == sorted(set(entries))
     tests: dict[str, set[str]] = {}
     for entry in entries:

@@ -179,10 +179,10 @@ class Points:
         return positions if ok else None
 
     def _state_over_budget(self, key: Key) -> bool:
-        """Whether the model's state alone rules the point out without CPU offload (``state_over_budget``), which
-        a screen would find at length (DeepSeek-V3 on 8-128 H100s: 5-15 s each, each saying no). A search in full
-        still runs where asked: its point is a row of the table (the count below the answer, and why it does not
-        fit)."""
+        """Whether the model's state alone rules the point out without CPU offload (``state_floor`` over auto's
+        budget), which a screen would find at length (DeepSeek-V3 on 8-128 H100s: 5-15 s each, each saying no). A
+        search in full still runs where asked: its point is a row of the table (the count below the answer, and why
+        it does not fit)."""
         if key not in self._over_budget:  # (auto's budget, without building its policy: its TP layouts)
             request, cluster = self.job.auto, self._cluster(key)
             assert request is not None

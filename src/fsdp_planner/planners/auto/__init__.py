@@ -264,7 +264,7 @@ class AutoPolicy:
             if result.fits:
                 return self._faster_on_dim1(trace, model, result)
             ways = self._ways_out(trace, result)
-            if ways and self.state_over_budget(trace):  # dim-1 sharding alone cannot fit (it shrinks no state)
+            if ways and self._state_over_budget(trace):  # dim-1 sharding alone cannot fit (it shrinks no state)
                 ways = [w for w in ways if w[0]]
             for offload, placement in ways:
                 tried = replace(self, options=self.options.with_memory_options(offload, placement),
@@ -689,9 +689,9 @@ class AutoPolicy:
                 lo = mid + 1
         return lo
 
-    def state_over_budget(self, trace: Trace) -> bool:
-        """Whether the model's params and optimizer state alone, spread over the cluster's GPUs, are over the budget
-        (``state_floor``): then no plan fits without CPU offload, and ``fit`` need not search to say so."""
+    def _state_over_budget(self, trace: Trace) -> bool:
+        """Whether the model's params, grads and optimizer state alone, spread over the cluster's GPUs, are over the
+        budget (``state_floor``): then no plan fits without CPU offload, dim-1 sharding or not."""
         return state_floor(trace, self.options, self.cluster.world_size) > self._budget().limit
 
     def _budget(self) -> MemoryBudget:
