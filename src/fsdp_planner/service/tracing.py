@@ -62,6 +62,7 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     encoder = (hf.encoder_note(lm.model) or hf.image_note(lm.model)) if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr, lm.model),
                  mamba_note(tr, lm.model), selective_scan_note(tr, lm.model), token_loop_note(tr, spec.seq_len),
+                 recurrent_note(tr, lm.model),
                  routing_note(spec, routed[0]),
                  own_checkpointing_note(lm.own_checkpointing), positions, encoder,
                  *((hf.mtp_note(lm.model), hf.dense_experts_note(lm.model)) if hf.is_hf(spec.name) else ()),
@@ -541,6 +542,24 @@ def selective_scan_note(tr: Trace, model: nn.Module) -> str | None:
     return (f"{fused:,} Mamba-1 mixers' scans traced as mamba_ssm's selective_scan_fn (what transformers trains with "
             "on a GPU with mamba_ssm: its inputs, the ungated output and fp32 chunk states saved, the rest made again "
             "in backward), timed by the bytes the memory-bound kernel moves")
+
+
+def recurrent_note(tr: Trace, model: nn.Module) -> str | None:
+    """torch's own RNNs (nn.RNN, nn.LSTM, nn.GRU) the step calls, said because none is traced as a GPU runs it
+    (None: none). On meta tensors ATen runs them cell by cell, a few ops a timestep each saving its gates; a GPU runs
+    cuDNN's fused kernel, whose reserve space (what backward keeps) no meta function sizes; a CPU precomputes the
+    input projection of every timestep at once (``FullLayer`` in ATen's RNN.cpp), so even ``verify``'s CPU ranks
+    save other tensors than the trace (a trial's GRU: peaks 2-13% apart by plan)."""
+    called = [name for name, m in model.named_modules() if isinstance(m, nn.RNNBase)
+              and name in tr.modules and tr.modules[name].calls]
+    if not called:
+        return None
+    kinds = sorted({tr.modules[name].cls for name in called})
+    modules = f"{len(called):,} {'/'.join(kinds)} module{'s' * (len(called) > 1)}"
+    return (f"{modules} ('{called[0]}' first) traced as ATen's cell-by-cell recurrence (a few ops a timestep, "
+            "each saving its gates), not as a GPU trains them (cuDNN's fused RNN kernel and its reserve space) nor "
+            "as a CPU does (the input projection of every timestep at once): their activations and time are "
+            "approximate, and verify's peak of a plan that splits them may differ by over 5%")
 
 
 TOKEN_LOOP_MIN_OPS = 1024  # a call's forward ops from which a loop over the tokens is said (and 2 a token)
