@@ -21,7 +21,7 @@ from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace.compiled_loss import LossInputs, compiled_loss
 
-N, V, D = 2048, 16000, 256  # tokens, vocabulary, width: the logits 64 MiB in bf16
+N, V, D = 2048, 16000, 64  # tokens, vocabulary, width: the logits 64 MiB in bf16
 
 
 def _losses(labels: torch.Tensor, weight: torch.Tensor) -> dict:
@@ -59,14 +59,16 @@ def _measured(loss_fn, x: torch.Tensor) -> int:
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("name", "tolerance"), [("ce", 0.01), ("ce_zloss", 0.01), ("smoothing", 0.01), ("mse", 0.01),
-                                                 ("logprob", 0.01), ("ce_topk", 0.01), ("head_ce", 0.08)])
+                                                 ("logprob", 0.01), ("ce_topk", 0.01), ("head_ce", 0.01)])
 def test_a_compiled_loss_holds_what_inductor_allocates(name, tolerance):
     """The model (the partitioner's graphs, fused regions alive only at their edges, inductor's in-place reuse)
     against inductor's real kernels on this CPU: each loss's peak above its caller's tensors is 1.0x the bf16
-    logits compiled (eager: 6.0x, three fp32 copies). head_ce is measured 8% above the bf16 logits
-    (what the CPU's matmul allocates for itself); the model has 1.6% above."""
+    logits compiled (eager: 6.0x, three fp32 copies). head_ce's width is small (64): at 256 the CPU's bf16 matmul
+    allocated 8% of the logits for itself, which a GPU's does not (the model has 1.6% above)."""
     torch.manual_seed(0)
-    labels, weight = torch.randint(0, V, (1, N)), torch.randn(V, D, dtype=torch.bfloat16)
+    # the output weight stored (D, V), seen as (V, D): an AVX2 CPU's bf16 matmuls of the loss's backward take
+    # ~4x longer with the (V, D) layout, and the memory is the same
+    labels, weight = torch.randint(0, V, (1, N)), torch.randn(D, V, dtype=torch.bfloat16).t()
     x = torch.randn(1, N, D if name == "head_ce" else V, dtype=torch.bfloat16, requires_grad=True)
     torch._dynamo.reset()
     measured = _measured(_losses(labels, weight)[name], x)
