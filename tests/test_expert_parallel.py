@@ -872,6 +872,24 @@ def test_a_classic_policy_s_experts_are_sharded_as_torchtitan_places_them() -> N
     assert rows["peak_memory"][0] == pytest.approx(rows["peak_memory"][1], rel=0.05)  # seen: +1.2%
 
 
+def test_a_classic_policy_s_experts_under_tp_are_sharded_on_dim_1_of_their_tp_shards() -> None:
+    """The same under TP: titan with TP 2 x EP 8 on 64 GPUs kept Mixtral's experts on dim 0, padded over their 8
+    FSDP ranks (7.1 s and 117 GiB a step, a trial; auto's EP x TP screens placed them so, 0.86 s): the rule now reads
+    one TP rank's shards, which FSDP2 shards; real FSDP2 and DTensor on 32 fake ranks agree."""
+    from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
+
+    wide = api.plan(TINY, cluster="h100:32", policy="titan", ep=2, tp=2)  # 16 x 2 ranks / EP 2 > 4 experts
+    assert wide.tp_degree == 2
+    assert {k for k, d in wide.shard_dims.items() if d == 1} >= {f"layers.{b}.moe.experts.w{i}" for b in (0, 1)
+                                                                 for i in (1, 2, 3)}
+    assert not api.plan(TINY, cluster="h100:8", policy="titan", ep=2, tp=2).shard_dims  # 4 x 2 / 2: dim 0 divides
+    rows = beside_prediction(simulate(_traced(), wide, parse_cluster("h100:32"), BF16, timeline=False),
+                             run_fake_world(TINY, wide, 32, BF16.precision))
+    assert all(p == m for key, (p, m) in rows.items() if key != "peak_memory"), rows
+    assert rows["ep_all_to_alls"][0] and rows["tp_all_gathers"][0]
+    assert rows["peak_memory"][0] == pytest.approx(rows["peak_memory"][1], rel=0.05)  # seen: +0.6%
+
+
 def test_ep_placement_chooses_where_the_experts_are_sharded(tmp_path) -> None:
     """--ep-placement: 'own' gives each experts module a fully_shard call of its own (the plan file's
     per_param_mesh false), 'blocks' their blocks' calls; auto's EP screen keeps to the one given (its EP x TP

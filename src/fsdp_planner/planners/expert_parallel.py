@@ -29,7 +29,7 @@ from fsdp_planner.sim.expert_parallel import ep_params, ep_view
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import shard_dims
-from fsdp_planner.sim.tensor_parallel import tp_view
+from fsdp_planner.sim.tensor_parallel import tp_params, tp_view
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import is_within, parent_of, proper_ancestors
 
@@ -244,11 +244,10 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
     out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew,
                                                                          per_param_mesh)), trace)
     auto_dims = bool(plan.shard_dims) or placement is ShardPlacement.AUTO  # (dim 0 may divide without EP only)
-    if auto_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)
-        raise PlannerError("expert parallelism with TP and auto shard placement is modelled on auto's EP x TP screens "
-                           "only: plan it with --policy auto, or with the default shard placement (dim 0)")
     if auto_dims and shard:
-        out = out.replace(shard_dims=shard_dims(ep_params(trace, out), shard, ShardPlacement.AUTO))
+        # of the tensors FSDP2 shards: under TP, one TP rank's local ones (a TP view's params already are)
+        local = tp_params(trace, plan.tensor_parallel) if tp > 1 and not trace.tensor_parallel else trace
+        out = out.replace(shard_dims=shard_dims(ep_params(local, out), shard, ShardPlacement.AUTO))
     return out
 
 

@@ -34,7 +34,6 @@ from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.expert_parallel import (
     ep_note,
     ep_tp_degrees,
-    expert_count,
     expert_modules,
     no_experts,
     per_param_meshes,
@@ -727,10 +726,9 @@ def expert_placement(plan: Plan, request: PolicyRequest) -> ShardPlacement | Non
     """How an EP plan of a classic policy shards its params: torchtitan's ``apply_fsdp`` shards the experts on dim 1
     where their FSDP ranks x EP exceed the experts (its ``efsdp_ep_size > num_experts``), which is where dim 0 would
     pad: ``ShardPlacement.AUTO``'s rule on the EP view (Mixtral's 8 experts, 1 a rank under EP 8, were padded 8x
-    over 8 ranks on 64 GPUs: titan with EP 8 7.2 s and 109 GiB a step, 1.14 s and 15.3 GiB so). Not where the user
-    gave ``--shard-placement`` or the plan has its dims, nor with TP (auto shard placement under TP is modelled on
-    TP views only, which auto's screens use)."""
-    if plan.shard_dims or request.keeps_placement or plan.tp_degree > 1:
+    over 8 ranks on 64 GPUs: titan with EP 8 7.2 s and 109 GiB a step, 1.14 s and 15.3 GiB so; with TP 2 too,
+    7.1 s and 117 GiB). Not where the user gave ``--shard-placement`` or the plan has its dims."""
+    if plan.shard_dims or request.keeps_placement:
         return None
     return ShardPlacement.AUTO
 
@@ -756,12 +754,6 @@ def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, mo
                       "module is sharded in a call of its own (--ep-placement own; --ep-placement blocks keeps the "
                       "root's)")
         out = made(False)
-    ranks = plan.shard_size(world) * plan.tp_degree if world else 0  # the experts' FSDP ranks x EP
-    if plan.tp_degree > 1 and not (plan.shard_dims or request.keeps_placement) and \
-            ranks > expert_count(tr, list(out.expert_parallel.experts(tr.modules))):
-        reporter.note(f"with TP the experts stay on dim 0 here, padded over their {ranks // request.ep} FSDP ranks, "
-                      "where torchtitan shards them on dim 1 (its efsdp_ep_size > num_experts): --policy auto places "
-                      "them so, on its EP x TP screens")
     _ep_notes(out, tr, as_spec(model), reporter)
     return out.replace(policy=f"{plan.policy}, {out.expert_parallel.describe()}")
 

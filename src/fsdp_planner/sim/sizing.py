@@ -78,9 +78,7 @@ def check_shard_dims(plan: Plan, trace: Trace, shard: int) -> None:
     if plan.shard_dims and plan.shard_dims != shard_dims(trace, shard, ShardPlacement.AUTO):
         raise PlannerError(f"the plan's shard_dims differ from 'dim 1 where dim 0 has fewer rows than the shard size "
                            f"({shard}) and dim 1 divides evenly', the only placement the simulator models; make the "
-                           "plan again for this cluster with --shard-placement auto" +
-                           (" (with TP and EP: with --policy auto, whose EP x TP screens place the experts)"
-                            if plan.tp_degree > 1 and plan.expert_parallel is not None else ""))
+                           "plan again for this cluster with --shard-placement auto")
 
 
 def sharded_numel(param: ParamInfo, shard: int, dim: int) -> int:

@@ -101,7 +101,7 @@ from fsdp_planner.trace.events import (
     EventKind,
     OpClass,
 )
-from fsdp_planner.trace.infos import ModuleInfo
+from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
 from fsdp_planner.trace.records import CompiledBlock, Trace
 from fsdp_planner.trace.tree import ROOT, is_within, parent_of, proper_ancestors
 
@@ -352,7 +352,7 @@ def tp_trace(trace: Trace, tp: TensorParallel, float8: Float8 | None = None) -> 
     """``tp_view``'s trace alone: one TP rank's step, whatever the cluster (what a plan's counts and bytes without
     hardware are of)."""
     lay = _Layout(trace, tp, float8)
-    params = tuple(local_param(p, param_style(p, lay.styles), tp.degree) for p in trace.params)
+    params = _local_params(trace, lay.styles, tp.degree)
     events, where = _rank_events(trace, lay)
     replicated = tuple(i for i, p in enumerate(trace.params)
                        if p.requires_grad and param_style(p, lay.styles) in _EMBEDDING)
@@ -362,6 +362,16 @@ def tp_trace(trace: Trace, tp: TensorParallel, float8: Float8 | None = None) -> 
                    replicated_grads=replicated, float8_tp=lay.float8,
                    fingerprint=f"{trace.fingerprint}/tp{tp.degree}" + ("f8" if lay.float8 else ""))
     return view.with_compiled(_local_compiled(trace, view))
+
+
+def tp_params(trace: Trace, tp: TensorParallel) -> Trace:
+    """``tp_trace``'s params alone (each one TP rank's local shard), the events as they are: what a param's shard
+    placement reads (FSDP2 shards the TP-local tensors), at a fraction of the view's cost."""
+    return replace(trace, params=_local_params(trace, tp.styles(trace.modules), tp.degree))
+
+
+def _local_params(trace: Trace, styles: dict[str, TPStyle], degree: int) -> tuple[ParamInfo, ...]:
+    return tuple(local_param(p, param_style(p, styles), degree) for p in trace.params)
 
 
 def _local_compiled(trace: Trace, view: Trace) -> dict[str, CompiledBlock]:
