@@ -215,6 +215,10 @@ def test_real_closed_stdout_and_broken_pipe():
 @pytest.mark.parametrize(("args", "message"), [
     (("plan", "seed-net", "--polcy", "order"),
      "error: unrecognized arguments: --polcy order; did you mean --policy? (see fsdp-planner plan --help)"),
+    # an option of other commands names them; never "did you mean --help?" (a trial's `memory ... --tp 2`)
+    (("memory", "seed-net", "--world-size", "8", "--tp", "2"),
+     "error: unrecognized arguments: --tp 2; --tp is an option of plan, fit, simulate, verify, check, calibrate, not "
+     "of fsdp-planner memory (see fsdp-planner memory --help)"),
     (("plna",), "invalid choice: 'plna'"),
     (("plan",), "the following arguments are required: model (see fsdp-planner plan --help)"),
     (("verify", "seed-net", "--nproc", "x"), "invalid int value: 'x' (see fsdp-planner verify --help)"),
@@ -458,10 +462,13 @@ def test_policy_options_with_a_plan_file_are_noted(capsys, tmp_path):
     # the budget judges the plan file's plan (its margin); only auto's search setting has no effect
     assert notes(err) == ["note: --search-effort has no effect with --plan: the plan file already fixes the groups"]
     assert "below the 1 GiB budget (--memory-budget)" in out
-    # --tp beside a plan file: one note, not a second on what --tp 4 makes of the batch (the plan's TP is run)
+    # --tp beside a plan file: its own degree runs without a word; another is one error (a trial's --tp 4 beside a
+    # TP 2 plan ran TP 2 with a note, where the same contradiction with a job config is an error)
+    code, out, err = run_main(capsys, "simulate", "seed-net", "--plan", str(plan), "--cluster", "h100:8", "--tp", "1")
+    assert code == 0 and notes(err) == [], err
     code, out, err = run_main(capsys, "simulate", "seed-net", "--plan", str(plan), "--cluster", "h100:8", "--tp", "4")
-    assert code == 0 and notes(err) == ["note: --tp has no effect with --plan: the plan file already fixes its tensor "
-                                       "parallelism"]
+    assert code == 2 and err.startswith("error: --tp 4 contradicts the plan file \"") and err.endswith(
+        ", planned with --tp 1: drop --tp, or plan again with --tp 4\n") and len(err.splitlines()) == 1, err
 
 
 def test_verify_notes_a_cluster_it_does_not_use(capsys, tmp_path, monkeypatch):

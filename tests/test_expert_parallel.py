@@ -1164,7 +1164,8 @@ def test_hand_edited_ep_plan_files_meet_the_same_checks_everywhere(tmp_path) -> 
     export wrote code sharding those experts without EP); a file without its "model" object is a hand-written plan
     for any model (it was "made for another model"); a file whose EP was taken out keeps no "EP 2" in its label;
     an int reshard_after_forward of an experts group is checked against the experts' EP-reduced mesh; export
-    refuses a module the model does not have; --ep beside --plan is noted by the fake world too; duplicate EP
+    refuses a module the model does not have; an --ep beside --plan other than its own is refused by the fake world
+    too; duplicate EP
     modules are refused; Accelerate's config says the world size must be a multiple of the EP degree."""
     model = _tiny_qwen3_moe(tmp_path)
     made = tmp_path / "plan.json"
@@ -1221,7 +1222,8 @@ def test_hand_edited_ep_plan_files_meet_the_same_checks_everywhere(tmp_path) -> 
     assert r.returncode != 0 and "does not have: model.layers.7" in r.stderr, r.stderr[-1000:]
     r = run_main("verify", model, "--plan", str(made), "--ep", "4", "--seq", "32", "--fake-world-size", "4",
                  "--json")
-    assert r.returncode == 0 and "--ep has no effect with --plan" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "error: --ep 4 contradicts the plan file" in r.stderr and r.stderr.strip().endswith(
+        ", planned with --ep 2: drop --ep, or plan again with --ep 4"), r.stderr[-2000:]
     twice = edited("twice.json", lambda d: d["expert_parallel"]["modules"].append(
         d["expert_parallel"]["modules"][0]))
     r = run_main("simulate", model, "--plan", twice, "--cluster", "h100:4", "--seq", "32")

@@ -42,9 +42,14 @@ class ArgumentParser(argparse.ArgumentParser):
             flags = None
         if extras:
             sub = self._commands().get(getattr(ns, "command", None) or "", self)
-            known = [o for a in sub._actions for o in a.option_strings]
-            close = difflib.get_close_matches(extras[0].partition("=")[0], known, n=1) if extras[0][:1] == "-" else []
-            hint = f"; did you mean {close[0]}?" if close else ""
+            option = extras[0].partition("=")[0]
+            known = [o for a in sub._actions for o in a.option_strings if o not in ("-h", "--help")]
+            close = difflib.get_close_matches(option, known, n=1) if option[:1] == "-" else []
+            # (--help was offered for any short option: "--tp ... did you mean --help?")
+            others = [name for name, p in self._commands().items() if p is not sub
+                      and any(option in a.option_strings for a in p._actions)]
+            hint = f"; did you mean {close[0]}?" if close else \
+                f"; {option} is an option of {', '.join(others)}, not of {sub.prog}" if others else ""
             sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
         sub = self._commands().get(getattr(ns, "command", None) or "", self)
         ns.torchtitan_flags = tuple(flags or ())

@@ -29,6 +29,7 @@ from fsdp_planner.cli.paths import input_file, output_file
 from fsdp_planner.configs.job_config import ACCELERATE, TORCHTITAN, JobConfig, read_config
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short
+from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import check_precision
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster
 from fsdp_planner.models import ModelSpec, planning_only
@@ -39,6 +40,7 @@ from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.validate import Keywords, Spelling
 from fsdp_planner.sim.budget import Headroom, MemoryBudget
 from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.userfiles import shown_json
 
 CLI = Spelling.CLI  # errors name the options as the command line spells them
 
@@ -143,10 +145,14 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
     command judges its plans against ``--memory-budget`` whatever the policy (plan and simulate on a cluster)."""
     ran = set(policies)
     notes = []
+    degrees = _plan_degrees(args) if plan_file else {}
     for option, (attr, readers) in POLICY_OPTIONS.items():
         if getattr(args, attr, None) is None or (ran & set(readers) and not plan_file):
             continue
         if option in ("--memory-budget", "--headroom") and budgeted:
+            continue
+        if option in degrees:
+            _check_plan_degree(option, getattr(args, attr), degrees[option], args.plan)
             continue
         if plan_file:
             fixed = "its layout (the mesh it was planned on)" if option == "--mesh" else \
@@ -161,6 +167,24 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
         notes.append(f"the titan policy wraps one block class: it uses {classes[0]} and ignores "
                      f"{', '.join(classes[1:])} from --module-classes")
     return notes
+
+
+def _plan_degrees(args: argparse.Namespace) -> dict[str, int]:
+    """The TP and EP degrees of the plan file ``--plan`` names (none where it cannot be read: its own load says
+    why)."""
+    try:
+        plan = Plan.load(args.plan)
+    except (PlannerError, AttributeError, TypeError):
+        return {}
+    return {"--tp": plan.tp_degree, "--ep": plan.expert_parallel.degree if plan.expert_parallel else 1}
+
+
+def _check_plan_degree(option: str, asked: int, planned: int, path: str) -> None:
+    """``--tp`` / ``--ep`` beside ``--plan``: the plan's degree or an error (a command given --tp 4 and a TP 2 plan
+    ran TP 2 with a note, where the same contradiction with a job config is an error)."""
+    if asked != planned:
+        raise PlannerError(f"{option} {asked} contradicts the plan file {shown_json(str(path))}, planned with "
+                           f"{option} {planned}: drop {option}, or plan again with {option} {asked}")
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
