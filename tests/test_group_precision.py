@@ -91,6 +91,16 @@ def test_classic_policies_put_every_batchnorm_in_an_fp32_group_of_its_own(resnet
     check_plan_matches(plan, resnet)
 
 
+def test_size_leaves_the_root_what_has_its_dtype(resnet):
+    """size wraps nothing in the ResNet (4,430 params): the BatchNorms' fp32 group, and every other param the root's
+    (the inner convs were carved out as a group of their own beside the BatchNorms, a trial's finding)."""
+    plan = policy("size").plan(resnet, RESNET)
+    assert [g.param_dtype for g in plan.inner_groups] == ["fp32"]
+    fp32 = set(plan.inner_groups[0].params)
+    assert set(plan.root.params) == {p.fqn for p in resnet.params} - fp32
+    check_plan_matches(plan, resnet)
+
+
 def test_a_plan_mixing_batchnorm_into_a_compute_dtype_group_is_refused(resnet):
     plan = policy("order").plan(resnet, RESNET)
     i = next(i for i, g in enumerate(plan.groups) if g.param_dtype == "fp32")

@@ -234,7 +234,10 @@ class _Splitter:
             max(plain, key=self._numel_of) if plain else None
         pieces: dict[str | None, list[str]] = {}
         self.carve(ROOT, keep, pieces)
+        # what has the root's dtype (or none trainable) stays the root's: a ResNet's inner convs were a group of
+        # their own under size, carved out beside its BatchNorms' fp32 group, with no word of why
         pieces.pop(None, None)
+        pieces.pop(keep, None)
         return [fp32_targets(self.trace, ms) if k.endswith(FP32_GROUP) else ms for k, ms in pieces.items() if ms]
 
     def _numel_of(self, dtype: str) -> int:
