@@ -125,6 +125,27 @@ def test_a_module_reused_inside_a_list_group():
     assert found[0].module == "block" and "pytorch#183702" in found[0].message
 
 
+def test_a_list_group_whose_modules_run_apart_is_a_warning():
+    """[layers.0, layers.3]: gathered at layers.0's forward, resharded after layers.3's, held while the groups
+    between run (a trial's [blocks.0, blocks.5] had no finding); modules that run one after another, a tied pair
+    (which must be one group) and a small group (the BatchNorms' fp32 one) are not said."""
+    tr = traced("toy-llama")
+    apart = [f for f in plan_findings(tr, by_hand(tr, ["layers.0", "layers.3"], ["layers.1"], ["layers.2"]))
+             if f.code is Code.LIST_GROUP_APART]
+    assert len(apart) == 1 and apart[0].severity is Severity.WARNING and apart[0].module == "layers.0"
+    assert apart[0].message.startswith("list group 0 (layers.0, layers.3) is gathered at layers.0's forward and "
+                                       "resharded after layers.3's: its ")
+    assert apart[0].message.endswith("stay unsharded while 2 other groups run between them (layers.1, layers.2)")
+    assert apart[0].fix.endswith("give layers.3 a group of its own (fully_shard(model.layers[3]))")
+    together = by_hand(tr, ["layers.0", "layers.1"], ["layers.2"], ["layers.3"])
+    assert Code.LIST_GROUP_APART not in {f.code for f in plan_findings(tr, together)}
+    tied = traced("toy-gpt2-tied")
+    found = plan_findings(tied, by_hand(tied, ["wte", "lm_head"], ["h.0"], ["h.1"], ["h.2"]))
+    assert Code.LIST_GROUP_APART not in {f.code for f in found}
+    done = run_check("tests/fixtures/resnet_models.py:build", "--policy", "size", "--json")  # the 15 BatchNorms'
+    assert [f["code"] for f in json.loads(done.stdout)] == ["root-params"]  # fp32 group spans the step: 0.2%
+
+
 def test_a_list_group_module_called_by_the_loss():
     """A list group one of whose modules the loss calls after the model's forward ([head, aux_head], the order
     policy's): FSDP2 runs the group's forward hooks again there, which the replay does not (a new user's: 7

@@ -6,7 +6,8 @@ groups, a module reused inside a list group (pytorch#183702), a group of several
 listed as a group, an int ``reshard_after_forward`` that does not divide the shard size, an FSDP1 unit mixing dtypes
 or requires_grad.
 Warnings are what makes it slow or wasteful: params never used in the step, params the root keeps gathered all
-step, 16-bit params whose grads are reduce-scattered in fp32 only to be cast back, fp64 params.
+step, a list group whose modules run apart (held through the groups between), 16-bit params whose grads are
+reduce-scattered in fp32 only to be cast back, fp64 params.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Code(Enum):
     LIST_GROUP_REUSE = "list-group-reuse"
     LIST_GROUP_AFTER_FORWARD = "list-group-after-forward"  # a list group's module called after the model's forward
     LIST_GROUP_UNUSED = "list-group-unused"  # a list group's module the step never calls
+    LIST_GROUP_APART = "list-group-apart"  # a list group whose modules run apart: held through the groups between
     MIXED_DTYPE_GROUP = "mixed-dtype-group"
     MIXED_DTYPE_MODULE = "mixed-dtype-module"
     CONTAINER_GROUP = "container-group"
@@ -216,6 +218,7 @@ def plan_findings(trace: Trace, plan: Plan, world_size: int | None = None, fsdp1
     out += _method_findings(trace, plan) + _idle_method_findings(plan)
     out += _sharded_read_findings(trace, plan, world_size)
     out += _reuse_findings(trace, plan)
+    out += _apart_findings(trace, plan)
     out += _root_findings(trace, plan)
     out += _recorded_outputs_findings(trace, plan)
     out += _running_stats_findings(trace, plan)
@@ -438,6 +441,60 @@ def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
                                    f"can fail in backward (pytorch#183702; not every model, so verify the plan)",
                                    f"shard {_path(m)} in a group of its own (fully_shard({_name(m)}))", m))
     return out
+
+
+APART_SHARE = 0.05  # a list group held through others is said from this share of the model's params: below it,
+# what it holds is small beside a block (the fp32 group of a ResNet's BatchNorms spans the step with 0.2%)
+
+
+def _apart_findings(trace: Trace, plan: Plan) -> list[Finding]:
+    """A list group whose modules run apart in forward (the first and the last block listed together, the unit
+    size-based wrapping makes of a CNN's first conv and last linear): FSDP2 gathers it at the first one's
+    pre-forward and reshards it after the last one's post-forward, so its params stay unsharded while the groups
+    between run. Not where a tied param makes the modules one group, nor for groups nested inside its modules."""
+    index, uses, events = trace.index.param_index, trace.index.param_uses, trace.events
+    owner = {index[p]: j for j, g in enumerate(plan.inner_groups) for p in g.params if p in index}
+    total = sum(p.numel for p in trace.params) or 1
+    out = []
+    for i, g in enumerate(plan.inner_groups):
+        ps = [trace.param(p) for p in g.params if p in index]
+        if len(g.modules) < 2 or any(p.is_shared for p in ps) or sum(p.numel for p in ps) < APART_SHARE * total:
+            continue
+        reads = sorted(e for p in ps for e in uses[index[p.fqn]] if not events[e].backward)
+        between = _groups_between(trace, plan, i, reads, owner)
+        if not between:
+            continue
+        nbytes = sum(p.numel * (trace.compute_itemsize or p.itemsize) for p in ps)
+        first, last = (next((m for m in g.modules if is_within(events[e].module, m)), events[e].module)
+                       for e in (reads[0], reads[-1]))
+        later = [m for m in g.modules if m != first]
+        out.append(Finding(Severity.WARNING, Code.LIST_GROUP_APART,
+                           f"list group {i} ({fmt_modules(g.modules)}) is gathered at {_path(first)}'s forward and "
+                           f"resharded after {_path(last)}'s: its {fmt_bytes(nbytes)} stay unsharded while "
+                           f"{fmt_count(len(between), 'other group')} run between them "
+                           f"({fmt_modules([plan.inner_groups[j].modules[0] for j in between])})",
+                           "list together only modules that run one after another: give "
+                           f"{fmt_modules(later)} {'a group of its own' if len(later) == 1 else 'groups of their own'}"
+                           f" (fully_shard({_name(later[0])}))", g.modules[0]))
+    return out
+
+
+def _groups_between(trace: Trace, plan: Plan, i: int, reads: list[int], owner: dict[int, int]) -> list[int]:
+    """The inner groups other than ``i`` whose params forward reads between ``reads``' first and last events, in
+    order; groups nested in group ``i``'s modules left out (their parent is gathered around them by design)."""
+    if not reads:
+        return []
+    mine = plan.inner_groups[i].modules
+    out: dict[int, None] = {}
+    for e in range(reads[0] + 1, reads[-1]):
+        if trace.events[e].backward:
+            continue
+        for q in trace.events[e].params:
+            j = owner.get(q)
+            if j is not None and j != i and j not in out and \
+                    not all(any(is_within(m, x) for x in mine) for m in plan.inner_groups[j].modules):
+                out[j] = None
+    return list(out)
 
 
 def _recorded_outputs_findings(trace: Trace, plan: Plan) -> list[Finding]:
