@@ -9,7 +9,7 @@ import torch
 from conftest import Done, run_main
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.claim import SplitParamError, make_plan
 from fsdp_planner.fsdp2.pitfalls import Code, Severity, has_errors, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Group, Mesh, Plan
 from fsdp_planner.models import load_model
@@ -100,6 +100,38 @@ def test_tied_params_across_groups():
     found = [f for f in plan_findings(tr, plan) if f.code is Code.TIED_ACROSS_GROUPS]
     assert len(found) == 1 and found[0].severity is Severity.ERROR
     assert "fully_shard([model.wte, model.lm_head])" in found[0].fix
+
+
+def test_a_module_shared_by_every_block_gets_a_group_of_its_own_as_the_fix():
+    """One adapter registered in every block: its params are reachable from each block's group; the fix gives it a
+    group of its own, as the module policy does (it said to list its holders together: every block in one group)."""
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self, shared: nn.Module) -> None:
+            super().__init__()
+            self.fc, self.shared = nn.Linear(8, 8), shared
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return self.fc(x) + self.shared(x)
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.adapter = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 8))
+            self.blocks = nn.ModuleList(Block(self.adapter) for _ in range(3))
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    tr = record(Shared(), (torch.randn(2, 8),), lambda out: out.sum())
+    with pytest.raises(SplitParamError) as split:  # (check's finding, tied-across-groups; other commands' error)
+        plan_findings(tr, by_hand(tr, ["blocks.0"], ["blocks.1"], ["blocks.2"]))
+    assert split.value.fix == "give adapter a group of its own (its fully_shard before its holders')"
+    fixed = by_hand(tr, ["adapter"], ["blocks.0"], ["blocks.1"], ["blocks.2"])
+    assert not has_errors(plan_findings(tr, fixed))
 
 
 def test_a_hand_written_plan_file_that_splits_tied_params_is_check_s_finding(tmp_path):

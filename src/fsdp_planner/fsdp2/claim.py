@@ -22,7 +22,7 @@ from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.targets import shardable_cover, split_recording
 from fsdp_planner.fsdp2.tensor_parallel import check_moe_styles, check_style_classes
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import ROOT
+from fsdp_planner.trace.tree import ROOT, proper_ancestors
 
 
 class SplitParamError(PlannerError):
@@ -30,20 +30,27 @@ class SplitParamError(PlannerError):
     ValueError ("shared with a parameter already managed by another FSDP group"); ``check`` reports it as a
     finding, every other command as an error."""
 
-    def __init__(self, param: str, first: int, second: int, holders: Sequence[str]) -> None:
+    def __init__(self, param: str, first: int, second: int, holders: Sequence[str], shared: str | None = None
+                 ) -> None:
         self.param = param
         self.problem = f"parameter '{param}' is reachable from groups {first} and {second}; FSDP2 needs it in one group"
-        self.fix = f"list {', '.join(holders)} together in one fully_shard([...])" if len(holders) > 1 else \
-            "list its modules together in one fully_shard([...])"
+        self.fix = f"give {printable_name(shared)} a group of its own (its fully_shard before its holders')" \
+            if shared is not None else f"list {', '.join(holders)} together in one fully_shard([...])" \
+            if len(holders) > 1 else "list its modules together in one fully_shard([...])"
         super().__init__(f"{self.problem}: {self.fix}")
 
 
 def _split(param: str, first: int, second: int, trace: Trace) -> SplitParamError:
-    """The error naming what to list together: a tied param's modules (every name it has), or the modules that
-    hold a module registered twice."""
+    """The error naming what to do: a tied param's modules (every name it has) listed together; a module
+    registered in several places (one adapter inside every block) a group of its own, as the module policy gives
+    it (listing its holders together made one group of every block, a trial's finding)."""
     info = trace.params[trace.index.param_index[param]]
-    holders = list(info.owners) if len(info.owners) > 1 else list(trace.index.parents.get(info.owners[0], ()))
-    return SplitParamError(param, first, second, holders)
+    if len(info.owners) > 1:
+        return SplitParamError(param, first, second, list(info.owners))
+    parents = trace.index.parents
+    shared = next((m for m in (info.owners[0], *proper_ancestors(info.owners[0])) if len(parents.get(m, ())) > 1),
+                  None)
+    return SplitParamError(param, first, second, list(parents.get(info.owners[0], ())), shared)
 
 
 def short_list(names: Iterable[str], limit: int = 5) -> str:
