@@ -743,6 +743,13 @@ def test_a_masked_block_is_judged_with_its_mask_all_false_where_all_true_gives_n
     notes: list[str] = []
     assert requested_layout(trace_spec(sound), request, sound, H100_8, Reporter(notes.append)).degree == 2
     assert not any("not checked on numbers" in n for n in notes), notes
+    # torch's nn.TransformerEncoderLayer, handed a float mask: judged on the path training takes (its inference
+    # fast path, which eval mode without grad takes, made NaN of it and left every layer unchecked: a trial)
+    encoder = ModelSpec(f"{fixtures}:torch_encoder")
+    notes.clear()
+    assert requested_layout(trace_spec(encoder), request, encoder, H100_8, Reporter(notes.append)).degree == 2
+    assert any("column-then-row Linear pairs in TransformerEncoderLayer" in n for n in notes), notes
+    assert not any("not checked on numbers" in n for n in notes), notes
 
 
 # -- options --------------------------------------------------------------------------------------------------------

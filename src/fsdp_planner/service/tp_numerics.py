@@ -22,6 +22,7 @@ differ), whose run raises or whose output is not finite, or that returns a tenso
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from copy import deepcopy
@@ -123,7 +124,8 @@ def check_module(name: str, module: nn.Module, styles: Mapping[str, TPStyle], de
                                       f"{TIERS[-1].max_flops:.0e} this check runs on a CPU")
             continue
         try:
-            return _judged(name, module, styles, degree, inputs, tier)
+            with _training_paths():
+                return _judged(name, module, styles, degree, inputs, tier)
         except Exception as e:  # the module's own code on inputs it was not built for, or a copy it refuses
             verdict = Unchecked(name, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
     return verdict
@@ -155,6 +157,19 @@ def _judged(name: str, module: nn.Module, styles: Mapping[str, TPStyle], degree:
                      zip(expected, got, strict=True) if e.numel()), default=0.0)
         return Mismatch(name, error) if error > tier.rtol else None
     return verdict
+
+
+@contextlib.contextmanager
+def _training_paths() -> Iterator[None]:
+    """The inference fast path of nn.MultiheadAttention and nn.TransformerEncoderLayer off: the check's copies run
+    in eval mode (no dropout) without grad, where torch takes it, and a training step never does (it made NaN of
+    a random float key padding mask: a trial's nn.TransformerEncoder went unchecked)."""
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)
 
 
 def _alike(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
