@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_main
+from conftest import run_main, traced
 
 from fsdp_planner.cli import main
 
@@ -307,3 +307,21 @@ def test_explain_shows_a_tie_as_no_change_not_float_noise():
     console.print(explain_table([row(0.32 * (1 - 5e-16)), row(0.32 * (1 - 3e-6))], 0.32, 2**30))
     text = console.export_text()
     assert "320 ms (+0.00%)" in text and "e-14" not in text and "(-0.0003%)" in text
+
+
+def test_the_groups_table_says_how_a_group_s_checkpointed_modules_are_checkpointed():
+    """A group whose modules are all checkpointed reads "full"; one with some of them read their names alone, which
+    a trial took for another kind than the "full" below it: how, then which."""
+    from rich.console import Console
+
+    from fsdp_planner.cli.render import groups_table
+    from fsdp_planner.fsdp2.claim import make_plan
+
+    tr = traced("toy-llama")
+    plan = make_plan(tr, [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3"]]).replace(
+        activation_checkpointing=("layers.0", "layers.1", "layers.2", "layers.3"))
+    console = Console(width=300, record=True)
+    console.print(groups_table(plan, tr))
+    rows = [line for line in console.export_text().splitlines() if line.startswith(("│ 0 ", "│ 1 "))]
+    cells = [[c.strip() for c in row.split("│")][-2] for row in rows]
+    assert cells == ["full: layers.0, layers.1", "full"], rows

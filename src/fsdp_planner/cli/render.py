@@ -266,8 +266,10 @@ def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
         nbytes = sum(tr.param(p).nbytes for p in g.params)
         raf = "root default (False)" if g.is_root and g.reshard_after_forward is False else str(g.reshard_after_forward)
         ac = checkpointed[i]
-        checkpoint = how_checkpointed(plan, ac) if ac and ac == list(g.modules) else escape(fmt_modules(ac, 1)) if ac \
-            else ""
+        # the whole group: how; some of its modules: how, and which (a trial read "blocks.0, blocks.1" above
+        # "full" as two kinds)
+        checkpoint = how_checkpointed(plan, ac) if ac and ac == list(g.modules) else \
+            f"{how_checkpointed(plan, ac)}: {escape(fmt_modules(ac, 1))}" if ac else ""
         fp32 = f" (computes in {g.param_dtype})" if g.param_dtype else ""  # its own MixedPrecisionPolicy
         t.add_row(str(i), escape(fmt_modules(g.modules) + fp32), fmt_numel(numel) if g.params else "none",
                   fmt_bytes(nbytes), raf, checkpoint)
