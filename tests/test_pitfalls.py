@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import Done, run_main
+from conftest import Done, policy, run_main
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import SplitParamError, make_plan
@@ -342,7 +342,11 @@ def test_a_fix_s_code_reaches_each_module_as_python_does():
     plan = make_plan(tr, [["tok_embeddings"], ["layers.1"], ["layers.2"], ["layers.3"], ["norm", "output"]])
     [root] = [f for f in plan_findings(tr, plan) if f.code is Code.ROOT_PARAMS]
     assert "of layers.0.attention_norm, layers.0.attention.wq, " in root.message
-    assert "(fully_shard(model.layers[0].attention_norm), ...)" in root.fix
+    # the block holding them, not each of its modules (a LoRA model's fix named 27 modules of 4 blocks: a trial)
+    assert root.fix == "give layers.0 a group of its own (fully_shard(model.layers[0]), ...)"
+    inner = policy("module", module_classes=("Attention",)).plan(tr, "toy-llama")  # the blocks' norms and MLPs
+    [root] = [f for f in plan_findings(tr, inner) if f.code is Code.ROOT_PARAMS]
+    assert root.fix.startswith("give tok_embeddings, layers.0, layers.1, +4 groups of their own")
 
 
 class _Temperature(torch.nn.Module):

@@ -586,6 +586,10 @@ def _root_fix(trace: Trace, plan: Plan, ps: list[ParamInfo], on_root: bool) -> s
     # a param read outside its module's calls (a parent's method reading head.proj.weight) is sharded-read unless
     # the group is a module whose calls hold every read: the lowest one holding the owner and its readers
     movable = [m for m in dict.fromkeys(_holding(trace, p) for p in ps if p.owners[0] != ROOT) if m != ROOT]
+    # inside a repeated block, the block (around the groups below it): a LoRA model's module policy left 27 norms
+    # and frozen projections of 4 blocks on the root, and the fix named each of them
+    blocks = trace.index.block_instances
+    movable = list(dict.fromkeys(next((b for b in blocks if is_within(m, b)), m) for m in movable))
     own_groups = "a group of its own" if len(movable) == 1 else "groups of their own"
     fix = f"give {fmt_modules(movable)} {own_groups} (fully_shard({_name(movable[0])}), ...)" if movable else ""
     for p in ps:
