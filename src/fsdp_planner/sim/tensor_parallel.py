@@ -366,8 +366,10 @@ def tp_trace(trace: Trace, tp: TensorParallel, float8: Float8 | None = None) -> 
 
 def tp_params(trace: Trace, tp: TensorParallel) -> Trace:
     """``tp_trace``'s params alone (each one TP rank's local shard), the events as they are: what a param's shard
-    placement reads (FSDP2 shards the TP-local tensors), at a fraction of the view's cost."""
-    return replace(trace, params=_local_params(trace, tp.styles(trace.modules), tp.degree))
+    placement reads (FSDP2 shards the TP-local tensors), at a fraction of the view's cost. Its ``tp_degree`` is
+    the view's: EP's ranks span TP's, so the experts' FSDP ranks are dp_shard x TP / EP (``ep_shard_degree``)."""
+    return replace(trace, params=_local_params(trace, tp.styles(trace.modules), tp.degree),
+                   tensor_parallel=tp.signature())
 
 
 def _local_params(trace: Trace, styles: dict[str, TPStyle], degree: int) -> tuple[ParamInfo, ...]:
