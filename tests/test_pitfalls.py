@@ -171,6 +171,9 @@ def test_a_list_group_whose_modules_run_apart_is_a_warning():
     assert apart[0].fix.endswith("give layers.3 a group of its own (fully_shard(model.layers[3]))")
     together = by_hand(tr, ["layers.0", "layers.1"], ["layers.2"], ["layers.3"])
     assert Code.LIST_GROUP_APART not in {f.code for f in plan_findings(tr, together)}
+    # a group around the list group (its parent's norm runs between them) is held around it whatever it lists
+    around = make_plan(tr, [["layers.0.attention", "layers.0.feed_forward"], ["layers.0"], ["layers.1"]])
+    assert Code.LIST_GROUP_APART not in {f.code for f in plan_findings(tr, around)}
     tied = traced("toy-gpt2-tied")
     found = plan_findings(tied, by_hand(tied, ["wte", "lm_head"], ["h.0"], ["h.1"], ["h.2"]))
     assert Code.LIST_GROUP_APART not in {f.code for f in found}
@@ -347,6 +350,42 @@ def test_a_fix_s_code_reaches_each_module_as_python_does():
     inner = policy("module", module_classes=("Attention",)).plan(tr, "toy-llama")  # the blocks' norms and MLPs
     [root] = [f for f in plan_findings(tr, inner) if f.code is Code.ROOT_PARAMS]
     assert root.fix.startswith("give tok_embeddings, layers.0, layers.1, +4 groups of their own")
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc, self.out = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.fc(self.norm(x)))
+
+
+class _ReadOutside(torch.nn.Module):
+    """Blocks of norm, fc and out; the model's forward reads the first block's out.weight outside its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.layers:
+            x = b(x)
+        return self.head(x).sum() + self.layers[0].out.weight.square().sum()
+
+
+def test_root_params_fix_names_no_block_whose_group_would_shard_a_param_read_outside_it():
+    """The block holding root params stands for its modules only where its group would not claim a param read
+    outside its calls: layers.0.out.weight is, so layers.0 as a group fails sharded-read (a review's finding)."""
+    model = _ReadOutside()
+    tr = record(model, (torch.randn(2, 8),), lambda y: y)
+    plan = by_hand(tr, ["layers.0.fc"], ["layers.1"], ["layers.2"], ["head"])
+    [root] = [f for f in plan_findings(tr, plan) if f.code is Code.ROOT_PARAMS]
+    assert "layers.0.norm" in root.fix and "fully_shard(model.layers[0])" not in root.fix, root.fix
+    [root] = [f for f in plan_findings(tr, by_hand(tr, ["layers.0.out"], ["layers.1"], ["layers.2"], ["head"]))
+              if f.code is Code.ROOT_PARAMS]  # (the param read outside now a group's; fc and norm left)
+    assert root.fix.startswith("give layers.0 a group of its own"), root.fix
 
 
 class _Temperature(torch.nn.Module):

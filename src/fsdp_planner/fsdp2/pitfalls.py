@@ -471,12 +471,20 @@ def _apart_findings(trace: Trace, plan: Plan) -> list[Finding]:
         out.append(Finding(Severity.WARNING, Code.LIST_GROUP_APART,
                            f"list group {i} ({fmt_modules(g.modules)}) is gathered at {_path(first)}'s forward and "
                            f"resharded after {_path(last)}'s: its {fmt_bytes(nbytes)} stay unsharded while "
-                           f"{fmt_count(len(between), 'other group')} run between them "
+                           f"{fmt_count(len(between), 'other group')} {'runs' if len(between) == 1 else 'run'} "
+                           "between them "
                            f"({fmt_modules([plan.inner_groups[j].modules[0] for j in between])})",
                            "list together only modules that run one after another: give "
                            f"{fmt_modules(later)} {'a group of its own' if len(later) == 1 else 'groups of their own'}"
                            f" (fully_shard({_name(later[0])}))", g.modules[0]))
     return out
+
+
+def _nested(theirs: Sequence[str], mine: Sequence[str]) -> bool:
+    """Whether a group of ``theirs`` lies inside a group of ``mine`` (gathered within its calls) or around it (held
+    around them whatever they list): either way not a group that runs between ``mine``'s modules."""
+    return all(any(is_within(m, x) for x in mine) for m in theirs) or \
+        all(any(is_within(x, m) for m in theirs) for x in mine)
 
 
 def _groups_between(trace: Trace, plan: Plan, i: int, reads: list[int], owner: dict[int, int]) -> list[int]:
@@ -491,8 +499,7 @@ def _groups_between(trace: Trace, plan: Plan, i: int, reads: list[int], owner: d
             continue
         for q in trace.events[e].params:
             j = owner.get(q)
-            if j is not None and j != i and j not in out and \
-                    not all(any(is_within(m, x) for x in mine) for m in plan.inner_groups[j].modules):
+            if j is not None and j != i and j not in out and not _nested(plan.inner_groups[j].modules, mine):
                 out[j] = None
     return list(out)
 
@@ -585,11 +592,14 @@ def _root_fix(trace: Trace, plan: Plan, ps: list[ParamInfo], on_root: bool) -> s
     and what cannot move (``on_root``: params registered on the root module itself)."""
     # a param read outside its module's calls (a parent's method reading head.proj.weight) is sharded-read unless
     # the group is a module whose calls hold every read: the lowest one holding the owner and its readers
-    movable = [m for m in dict.fromkeys(_holding(trace, p) for p in ps if p.owners[0] != ROOT) if m != ROOT]
+    holding = {p.fqn: _holding(trace, p) for p in ps if p.owners[0] != ROOT}
+    movable = [m for m in dict.fromkeys(holding.values()) if m != ROOT]
     # inside a repeated block, the block (around the groups below it): a LoRA model's module policy left 27 norms
-    # and frozen projections of 4 blocks on the root, and the fix named each of them
-    blocks = trace.index.block_instances
-    movable = list(dict.fromkeys(next((b for b in blocks if is_within(m, b)), m) for m in movable))
+    # and frozen projections of 4 blocks on the root, and the fix named each of them. Not a block whose group
+    # would claim a root param read outside its calls (then sharded there: a review's finding)
+    whole = [b for b in trace.index.block_instances
+             if all(is_within(h, b) for p in ps if is_within(p.owners[0], b) for h in [holding.get(p.fqn, ROOT)])]
+    movable = list(dict.fromkeys(next((b for b in whole if is_within(m, b)), m) for m in movable))
     own_groups = "a group of its own" if len(movable) == 1 else "groups of their own"
     fix = f"give {fmt_modules(movable)} {own_groups} (fully_shard({_name(movable[0])}), ...)" if movable else ""
     for p in ps:
