@@ -325,3 +325,10 @@ def test_the_groups_table_says_how_a_group_s_checkpointed_modules_are_checkpoint
     rows = [line for line in console.export_text().splitlines() if line.startswith(("│ 0 ", "│ 1 "))]
     cells = [[c.strip() for c in row.split("│")][-2] for row in rows]
     assert cells == ["full: layers.0, layers.1", "full"], rows
+    # an offloaded module beside them is said so, not as checkpointed in full (a review)
+    mixed = plan.replace(activation_checkpointing=("layers.0", "layers.2", "layers.3"),
+                         activation_offloading=("layers.1",))
+    console = Console(width=300, record=True)
+    console.print(groups_table(mixed, tr))
+    rows = [line for line in console.export_text().splitlines() if line.startswith("│ 0 ")]
+    assert [c.strip() for c in rows[0].split("│")][-2] == "full and offload: layers.0, layers.1", rows

@@ -467,8 +467,19 @@ def test_policy_options_with_a_plan_file_are_noted(capsys, tmp_path):
     code, out, err = run_main(capsys, "simulate", "seed-net", "--plan", str(plan), "--cluster", "h100:8", "--tp", "1")
     assert code == 0 and notes(err) == [], err
     code, out, err = run_main(capsys, "simulate", "seed-net", "--plan", str(plan), "--cluster", "h100:8", "--tp", "4")
-    assert code == 2 and err.startswith("error: --tp 4 contradicts the plan file \"") and err.endswith(
-        ", planned with --tp 1: drop --tp, or plan again with --tp 4\n") and len(err.splitlines()) == 1, err
+    assert code == 2 and err == ("error: --tp 4 contradicts --plan's plan file, planned with --tp 1: drop --tp, or "
+                                 "plan again with --tp 4\n"), err
+
+
+def test_a_tp_degree_beside_two_plan_files_is_checked_against_both(capsys, tmp_path):
+    """simulate --plan A --compare B --tp N runs both files: B's degree is checked too (a review: only A's was)."""
+    for name, tp in (("tp1.json", []), ("tp2.json", ["--tp", "2"])):
+        assert cli.main(["plan", "toy-llama", "--policy", "titan", *tp, "--out", str(tmp_path / name)]) == 0
+    capsys.readouterr()
+    code, _, err = run_main(capsys, "simulate", "toy-llama", "--plan", str(tmp_path / "tp1.json"), "--compare",
+                            str(tmp_path / "tp2.json"), "--cluster", "h100:8", "--tp", "1")
+    assert code == 2 and err == ("error: --tp 1 contradicts --compare's plan file, planned with --tp 2: drop --tp, "
+                                 "or plan again with --tp 1\n"), err
 
 
 def test_verify_notes_a_cluster_it_does_not_use(capsys, tmp_path, monkeypatch):

@@ -132,6 +132,19 @@ def test_a_module_shared_by_every_block_gets_a_group_of_its_own_as_the_fix():
     assert split.value.fix == "give adapter a group of its own (its fully_shard before its holders')"
     fixed = by_hand(tr, ["adapter"], ["blocks.0"], ["blocks.1"], ["blocks.2"])
     assert not has_errors(plan_findings(tr, fixed))
+    # a shared ModuleList, which fully_shard refuses: its modules as one group (a review)
+    listed = Shared()
+    listed.adapter = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+    for b in listed.blocks:
+        b.shared = listed.adapter
+        b.forward = (lambda blk: lambda x: blk.fc(x) + blk.shared[1](blk.shared[0](x)))(b)
+    tr = record(listed, (torch.randn(2, 8),), lambda out: out.sum())
+    with pytest.raises(SplitParamError) as split:
+        plan_findings(tr, by_hand(tr, ["blocks.0"], ["blocks.1"], ["blocks.2"]))
+    assert split.value.fix == "list adapter.0, adapter.1 in a group of their own (one fully_shard([...]) before " \
+        "their holders')"
+    assert not has_errors(plan_findings(tr, by_hand(tr, ["adapter.0", "adapter.1"], ["blocks.0"], ["blocks.1"],
+                                                    ["blocks.2"])))
 
 
 def test_a_hand_written_plan_file_that_splits_tied_params_is_check_s_finding(tmp_path):

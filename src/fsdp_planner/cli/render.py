@@ -304,12 +304,12 @@ def ac_cell(plan: Plan) -> str:
 
 
 def how_checkpointed(plan: Plan, modules: Sequence[str]) -> str:
-    """``full``, or ``op POLICY`` (op-level selective checkpointing), when all of ``modules`` are so; else both;
-    ``offload`` when all are offloaded instead."""
-    if all(m in plan.activation_offloading for m in modules):
-        return "offload"  # not checkpointed: its saved activations on the host
-    kinds = {plan.selective_checkpointing[m].value if m in plan.selective_checkpointing else "" for m in modules}
-    return "full" if kinds == {""} else f"op {kinds.pop()}" if len(kinds) == 1 else "full and op"
+    """How ``modules`` are checkpointed: ``full``, ``op POLICY`` (op-level selective checkpointing) or ``offload``
+    (not checkpointed: their saved activations on the host), the kinds among them joined by "and"."""
+    kinds = dict.fromkeys(sorted("offload" if m in plan.activation_offloading else
+                                 f"op {plan.selective_checkpointing[m].value}" if m in plan.selective_checkpointing
+                                 else "full" for m in modules))
+    return " and ".join(kinds)
 
 
 def checkpointed_per_group(plan: Plan) -> list[list[str]]:

@@ -40,7 +40,6 @@ from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.validate import Keywords, Spelling
 from fsdp_planner.sim.budget import Headroom, MemoryBudget
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.userfiles import shown_json
 
 CLI = Spelling.CLI  # errors name the options as the command line spells them
 
@@ -145,14 +144,17 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
     command judges its plans against ``--memory-budget`` whatever the policy (plan and simulate on a cluster)."""
     ran = set(policies)
     notes = []
-    degrees = _plan_degrees(args) if plan_file else {}
+    files = [(flag, f) for flag, f in (("--plan", getattr(args, "plan", None)),
+                                        ("--compare", getattr(args, "compare", None)))
+             if plan_file and f is not None and f not in POLICY_NAMES]
     for option, (attr, readers) in POLICY_OPTIONS.items():
         if getattr(args, attr, None) is None or (ran & set(readers) and not plan_file):
             continue
         if option in ("--memory-budget", "--headroom") and budgeted:
             continue
-        if option in degrees:
-            _check_plan_degree(option, getattr(args, attr), degrees[option], args.plan)
+        if option in ("--tp", "--ep") and files:
+            for flag, path in files:  # (--compare's plan file too: it is run with the same options)
+                _check_plan_degree(option, getattr(args, attr), flag, path)
             continue
         if plan_file:
             fixed = "its layout (the mesh it was planned on)" if option == "--mesh" else \
@@ -169,22 +171,18 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
     return notes
 
 
-def _plan_degrees(args: argparse.Namespace) -> dict[str, int]:
-    """The TP and EP degrees of the plan file ``--plan`` names (none where it cannot be read: its own load says
-    why)."""
+def _check_plan_degree(option: str, asked: int, flag: str, path: str) -> None:
+    """``--tp`` / ``--ep`` beside a plan file: its degree, or an error (a command given --tp 4 and a TP 2 plan ran
+    TP 2 with a note, where the same contradiction with a job config is an error). A file that cannot be read is
+    left to its own load, which says why."""
     try:
-        plan = Plan.load(args.plan)
-    except (PlannerError, AttributeError, TypeError):
-        return {}
-    return {"--tp": plan.tp_degree, "--ep": plan.expert_parallel.degree if plan.expert_parallel else 1}
-
-
-def _check_plan_degree(option: str, asked: int, planned: int, path: str) -> None:
-    """``--tp`` / ``--ep`` beside ``--plan``: the plan's degree or an error (a command given --tp 4 and a TP 2 plan
-    ran TP 2 with a note, where the same contradiction with a job config is an error)."""
+        plan = Plan.load(path)
+    except PlannerError:
+        return
+    planned = plan.tp_degree if option == "--tp" else plan.expert_parallel.degree if plan.expert_parallel else 1
     if asked != planned:
-        raise PlannerError(f"{option} {asked} contradicts the plan file {shown_json(str(path))}, planned with "
-                           f"{option} {planned}: drop {option}, or plan again with {option} {asked}")
+        raise PlannerError(f"{option} {asked} contradicts {flag}'s plan file, planned with {option} {planned}: drop "
+                           f"{option}, or plan again with {option} {asked}")
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:

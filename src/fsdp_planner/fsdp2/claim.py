@@ -30,12 +30,14 @@ class SplitParamError(PlannerError):
     ValueError ("shared with a parameter already managed by another FSDP group"); ``check`` reports it as a
     finding, every other command as an error."""
 
-    def __init__(self, param: str, first: int, second: int, holders: Sequence[str], shared: str | None = None
-                 ) -> None:
+    def __init__(self, param: str, first: int, second: int, holders: Sequence[str],
+                 shared: Sequence[str] = ()) -> None:
         self.param = param
         self.problem = f"parameter '{param}' is reachable from groups {first} and {second}; FSDP2 needs it in one group"
-        self.fix = f"give {printable_name(shared)} a group of its own (its fully_shard before its holders')" \
-            if shared is not None else f"list {', '.join(holders)} together in one fully_shard([...])" \
+        self.fix = f"give {printable_name(shared[0])} a group of its own (its fully_shard before its holders')" \
+            if len(shared) == 1 else \
+            f"list {', '.join(map(printable_name, shared))} in a group of their own (one fully_shard([...]) before " \
+            "their holders')" if shared else f"list {', '.join(holders)} together in one fully_shard([...])" \
             if len(holders) > 1 else "list its modules together in one fully_shard([...])"
         super().__init__(f"{self.problem}: {self.fix}")
 
@@ -50,7 +52,9 @@ def _split(param: str, first: int, second: int, trace: Trace) -> SplitParamError
     parents = trace.index.parents
     shared = next((m for m in (info.owners[0], *proper_ancestors(info.owners[0])) if len(parents.get(m, ())) > 1),
                   None)
-    return SplitParamError(param, first, second, list(parents.get(info.owners[0], ())), shared)
+    # (a shared ModuleList, which fully_shard refuses: the modules under it that hold params, as one list group)
+    return SplitParamError(param, first, second, list(parents.get(info.owners[0], ())),
+                           shardable_cover(trace, shared) if shared is not None else ())
 
 
 def short_list(names: Iterable[str], limit: int = 5) -> str:
