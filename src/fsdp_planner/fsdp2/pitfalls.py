@@ -451,7 +451,8 @@ def _apart_findings(trace: Trace, plan: Plan) -> list[Finding]:
     """A list group whose modules run apart in forward (the first and the last block listed together, the unit
     size-based wrapping makes of a CNN's first conv and last linear): FSDP2 gathers it at the first one's
     pre-forward and reshards it after the last one's post-forward, so its params stay unsharded while the groups
-    between run. Not where a tied param makes the modules one group, nor for groups nested inside its modules."""
+    between run. Not where a tied param makes the modules one group; groups inside or around its modules are not
+    counted as between (``_nested``)."""
     index, uses, events = trace.index.param_index, trace.index.param_uses, trace.events
     owner = {index[p]: j for j, g in enumerate(plan.inner_groups) for p in g.params if p in index}
     total = sum(p.numel for p in trace.params) or 1
@@ -489,7 +490,7 @@ def _nested(theirs: Sequence[str], mine: Sequence[str]) -> bool:
 
 def _groups_between(trace: Trace, plan: Plan, i: int, reads: list[int], owner: dict[int, int]) -> list[int]:
     """The inner groups other than ``i`` whose params forward reads between ``reads``' first and last events, in
-    order; groups nested in group ``i``'s modules left out (their parent is gathered around them by design)."""
+    order; groups inside or around group ``i``'s modules left out (``_nested``)."""
     if not reads:
         return []
     mine = plan.inner_groups[i].modules
@@ -598,7 +599,7 @@ def _root_fix(trace: Trace, plan: Plan, ps: list[ParamInfo], on_root: bool) -> s
     # and frozen projections of 4 blocks on the root, and the fix named each of them. Not a block whose group
     # would claim a root param read outside its calls (then sharded there: a review's finding)
     whole = [b for b in trace.index.block_instances
-             if all(is_within(h, b) for p in ps if is_within(p.owners[0], b) for h in [holding.get(p.fqn, ROOT)])]
+             if all(is_within(holding.get(p.fqn, ROOT), b) for p in ps if is_within(p.owners[0], b))]
     movable = list(dict.fromkeys(next((b for b in whole if is_within(m, b)), m) for m in movable))
     own_groups = "a group of its own" if len(movable) == 1 else "groups of their own"
     fix = f"give {fmt_modules(movable)} {own_groups} (fully_shard({_name(movable[0])}), ...)" if movable else ""
