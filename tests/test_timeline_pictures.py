@@ -22,7 +22,7 @@ from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.planners import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.report.step_view import Bar, BarKind, StepView, merge_thin, step_view, thin_curve
 from fsdp_planner.report.timeline_html import render_html, write_html
-from fsdp_planner.report.timeline_png import DPI, figure_size, write_png
+from fsdp_planner.report.timeline_png import CAPACITY_IN_VIEW, DPI, figure_size, memory_scale, write_png
 
 CLUSTER = parse_cluster("h100:16")
 
@@ -146,6 +146,22 @@ def test_thin_abutting_bars_merge_but_gaps_and_wide_bars_stay():
     merged = merge_thin(bars, min_width=2.5)
     assert [(b.name, b.start, b.end) for b in merged] == [
         ("a … b", 0, 2), ("c", 2, 3), ("wait", 3, 3.5), ("d", 3.5, 4), ("wide", 4, 20)]
+
+
+def test_a_small_model_s_memory_axis_spans_its_curve_not_the_gpu(views):
+    """toy-llama peaks at a few MiB on an 80 GB H100: the budget line alone set the axis to 80,000 MiB, the curve a
+    flat line at its foot (a trial). Lines far above the curve are left off the scale; near it, they are drawn."""
+    from dataclasses import replace
+
+    for v in views:
+        top, budget, capacity = memory_scale(v)
+        curve = max(float(v.memory_bytes.max()), v.report.reserved_memory)
+        assert top == curve and not budget.drawn and not capacity.drawn, v.label
+        near = replace(v, capacity=int(curve * 2), budget=replace(v.budget, limit=int(curve * 1.5)))
+        assert memory_scale(near)[0] == curve * 2 and all(line.drawn for line in memory_scale(near)[1:])
+        apart = replace(near, capacity=int(curve * CAPACITY_IN_VIEW * 1.01))  # the budget drawn, the GPU named
+        top, budget, capacity = memory_scale(apart)
+        assert (top, budget.drawn, capacity.drawn) == (int(curve * 1.5), True, False)
 
 
 def _png_size(data: bytes) -> tuple[int, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from fsdp_planner.userfiles import WRITTEN_BY, write_atomic
 MEMORY_COLOR, CAPACITY_COLOR, RESERVED_COLOR = "#4c78a8", "#d62728", "#7f7f7f"
 WIDTH_IN, DPI = 16.0, 100  # 1600 pixels wide
 LANE_IN, MEMORY_IN, TITLE_IN = 0.42, 1.7, 0.75
-CAPACITY_IN_VIEW = 8  # the capacity line is drawn when it is within this factor of the curve's top
+CAPACITY_IN_VIEW = 8  # the budget and capacity lines are drawn when within this factor of the curve's top
 MIN_PIXELS = 1.5  # exposed gaps are drawn at least this wide: a 50 us wait in a 10 s step must still show
 PLOT_SHARE = 0.9  # of the figure's width, the time axis
 SEPARATED_PIXELS, LABEL_PIXELS = 4, 60  # collectives this wide get a white edge, this wide their group's name
@@ -137,29 +138,49 @@ def _draw_lanes(ax: Any, view: StepView, min_width: float, px: float) -> set[Bar
     return drawn
 
 
+@dataclass(frozen=True)
+class MemoryLine:
+    """The budget's or the GPU capacity's level on the memory axis; off scale where far above the curve."""
+
+    nbytes: int
+    text: str
+    drawn: bool
+
+
+def memory_scale(view: StepView) -> tuple[float, MemoryLine, MemoryLine]:
+    """The memory axis' top in bytes, with the budget and capacity lines: a line more than ``CAPACITY_IN_VIEW``
+    times the curve's top is left off the scale (named in a corner), or a small model's curve would be flat."""
+    curve_top = max(float(view.memory_bytes.max()), view.report.reserved_memory)
+    budget, capacity = view.budget.limit, view.capacity
+    lines = (MemoryLine(budget, f"budget {fmt_bytes(budget)}", budget <= CAPACITY_IN_VIEW * curve_top),
+             MemoryLine(capacity, f"{view.gpu} capacity {fmt_bytes(capacity)}",
+                        capacity <= CAPACITY_IN_VIEW * curve_top))
+    return max([curve_top] + [line.nbytes for line in lines if line.drawn]), *lines
+
+
 def _draw_memory(ax: Any, view: StepView) -> None:
-    """Allocated bytes over the step as a filled step curve, the GPU's capacity and the reserved peak as lines."""
+    """Allocated bytes over the step as a filled step curve, the reserved peak, the budget and the GPU's capacity as
+    lines (``memory_scale``)."""
     times, levels = thin_curve(view.memory_times, view.memory_bytes, 3000)
-    top = max(float(levels.max()), view.report.reserved_memory)
-    unit, div = byte_unit(max(top, view.capacity) if view.capacity <= CAPACITY_IN_VIEW * top else top)
+    top, budget, capacity = memory_scale(view)
+    unit, div = byte_unit(top)
     ax.fill_between(times, levels / div, step="post", color=MEMORY_COLOR, alpha=0.25, linewidth=0)
     ax.step(times, levels / div, where="post", color=MEMORY_COLOR, linewidth=1.2, label="allocated memory per rank")
     ax.axhline(view.report.reserved_memory / div, color=RESERVED_COLOR, linestyle=":", linewidth=1.2,
                label="reserved at peak (caching allocator)")
-    budget = view.budget.limit
-    ax.axhline(budget / div, color=BUDGET_COLOR, linestyle="-.", linewidth=1.1, label=f"budget {fmt_bytes(budget)}")
-    top = max(top, budget)
     peak_at = float(times[int(levels.argmax())])
     ax.annotate(f"peak {fmt_bytes(view.report.peak_memory)}", (peak_at, view.report.peak_memory / div),
                 xytext=(4, -12), textcoords="offset points", fontsize=9, color=MEMORY_COLOR)
-    if view.capacity <= CAPACITY_IN_VIEW * top:
-        ax.axhline(view.capacity / div, color=CAPACITY_COLOR, linestyle="--", linewidth=1.3, label="GPU capacity")
-        ax.text(0.002, view.capacity / div, plain(f" {view.gpu}: {fmt_bytes(view.capacity)}"),
+    if budget.drawn:
+        ax.axhline(budget.nbytes / div, color=BUDGET_COLOR, linestyle="-.", linewidth=1.1, label=budget.text)
+    if capacity.drawn:
+        ax.axhline(capacity.nbytes / div, color=CAPACITY_COLOR, linestyle="--", linewidth=1.3, label="GPU capacity")
+        ax.text(0.002, capacity.nbytes / div, plain(f" {view.gpu}: {fmt_bytes(capacity.nbytes)}"),
                 transform=ax.get_yaxis_transform(), va="bottom", fontsize=9, color=CAPACITY_COLOR)
-        top = max(top, view.capacity)
-    else:  # a small model on a large GPU: the curve would be a flat line at the bottom
-        ax.text(0.002, 0.97, plain(f" {view.gpu} capacity {fmt_bytes(view.capacity)}: far above this scale"),
-                transform=ax.transAxes, va="top", fontsize=9, color=CAPACITY_COLOR)
+    above = [line.text for line in (budget, capacity) if not line.drawn]
+    if above:
+        ax.text(0.002, 0.97, plain(f" {' and '.join(above)}: far above this scale"), transform=ax.transAxes,
+                va="top", fontsize=9, color=CAPACITY_COLOR)
     ax.set_ylim(0, top / div * 1.15)
     ax.set_ylabel(f"memory ({unit})", fontsize=10)
     ax.grid(color="#dddddd", linewidth=0.6)
