@@ -654,6 +654,13 @@ def test_export_and_simulate_say_the_optimizer_and_precision_the_plan_was_made_w
     plan.write_text(json.dumps(data))
     with pytest.raises(PlannerError, match=r"^plan 'optimizer' must be one of sgd, .*, got \"lamb\"$"):
         Plan.load(plan)
+    data["optimizer"] = "adamw"  # zero_grad: "zeros" kept, "none" the default's (written as nothing), else refused
+    for value, read in (("zeros", "zeros"), ("none", "")):
+        plan.write_text(json.dumps(data | {"zero_grad": value}))
+        assert Plan.load(plan).zero_grad == read and Plan.load(plan).to_dict().get("zero_grad", "") == read
+    plan.write_text(json.dumps(data | {"zero_grad": True}))
+    with pytest.raises(PlannerError, match=r"^plan 'zero_grad' must be \"zeros\" or \"none\", got true$"):
+        Plan.load(plan)
 
 
 def test_a_float8_plan_exports_its_conversion_and_torchtitan_s_converter(tmp_path) -> None:

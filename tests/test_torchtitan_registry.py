@@ -606,6 +606,31 @@ def test_a_jobs_export_read_back_is_auto_plan_and_nothing_to_change(tmp_path, ca
     assert "config keys auto would change" not in out and "auto's plan for this job, nothing to change" in out
 
 
+@pytest.mark.integration
+def test_a_graphed_job_s_export_keeps_the_graphs_its_plan_was_simulated_with(tmp_path, capsys):
+    """A registry job replays its step as a CUDA graph (TrainingConfig's default), so auto's plan is simulated with
+    the grads kept all step; the export turned the graphs off, and read back, the eager job held less and auto
+    changed the plan (a trial: 70.6 GiB planned, 70.3 GiB read back, another checkpointing). The plan file records
+    ``zero_grad``, the export keeps the graphs, and read back the job is the plan, nothing to change."""
+    from fsdp_planner.cli import main
+
+    plan_file, exported = tmp_path / "plan.json", tmp_path / "job.py"
+    assert main(["plan", "--from-torchtitan", job("llama3_8b"), "--cluster", "h100:8", "--out", str(plan_file),
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert json.loads(plan_file.read_text())["zero_grad"] == "zeros"
+    assert main(["export", str(plan_file), "--format", "torchtitan", "--out", str(exported), "-q"]) == 0
+    assert "config.training.disable_cuda_graphs = False" in exported.read_text()
+    assert main(["plan", "--from-torchtitan", f"{exported}:fsdp_planner_job", "--json"]) == 0
+    back = json.loads(capsys.readouterr().out)
+    assert back["config_step"]["step_time"] == back["auto_step"]["step_time"] == doc["auto_step"]["step_time"]
+    assert back["changes"] == []
+    # the plan file run without the job's zero_grad: said, with the flag that gives the planned figures
+    assert main(["simulate", "llama3-8b", "--plan", str(plan_file), "--cluster", "h100:8", "--json"]) == 0
+    assert "the plan was made with --zero-grad zeros and this command runs none: add --zero-grad zeros" in \
+        capsys.readouterr().err
+
+
 TITAN_FIELDS = json.loads((Path(__file__).parent / "fixtures" / "torchtitan" / "config_fields.json").read_text())
 FLAG_SECTIONS = {"training": "TrainingConfig", "parallelism": "ParallelismConfig", "compile": "CompileConfig"}
 
@@ -1184,9 +1209,10 @@ def test_an_ep_plan_s_torchtitan_job_runs_torchtitan_s_parallelize(tmp_path):
     dense = Plan(fingerprint="", numel=2, model="hf:qwen3-8b", groups=[Group(modules=[""])],
                  workload=Workload(1, 4096), optimizer="adamw", float8=Float8.named("rowwise"))
     said = unexpressed(dense, PRECISIONS["bf16-mixed"], None)
-    assert any(n.startswith("torchtitan has no registry job of hf:qwen3-8b (qwen3 8B)") for n in said)
+    assert any(n.startswith("torchtitan's registry has no bf16 or float8 pretraining job of hf:qwen3-8b (qwen3 8B): "
+                            "fsdp_planner_job() builds on qwen3_14b()") for n in said)
     assert any(n.startswith("TORCHTITAN_FLAGS carry no float8 converter") for n in said)
-    assert not any("registry job of" in n for n in unexpressed(dense.replace(model="llama3-405b"),
+    assert not any("pretraining job of" in n for n in unexpressed(dense.replace(model="llama3-405b"),
                                                                PRECISIONS["bf16-mixed"], None))
 
 
@@ -1240,6 +1266,36 @@ def test_auto_finds_the_expert_s_own_ep_job_where_it_fits(capsys):
     assert {c["key"] for c in result["changes"]} <= {"parallelism.fsdp_reshard_after_forward"}
 
 
+def test_a_fault_tolerant_job_says_torchft_is_not_modelled(tmp_path):
+    """torchtitan's torchft jobs (``FaultTolerantTrainer.Config(fault_tolerance=FaultTolerance(enable=True,
+    semi_sync_method="diloco", ...))``) were read with the section dropped unsaid (a trial): DiLoCo's outer
+    optimizer and params copy, and the replicas' all-reduce, are not in the step; a note says so, off when disabled."""
+    notes = {}
+    for enable in ("True", "False"):
+        path = tmp_path / f"{enable}.py"
+        path.write_text(REGISTRY_HEAD + f"        fault_tolerance=FaultTolerance(enable={enable}, "
+                        "semi_sync_method=\"diloco\", sync_steps=10),\n    )\n")
+        notes[enable] = [n for n in read_config(TORCHTITAN, f"{path}:job").notes if "fault_tolerance" in n]
+    assert notes["False"] == [] and len(notes["True"]) == 1
+    assert "torchft's replica groups are not modelled" in notes["True"][0] and '"diloco"' in notes["True"][0]
+
+
+@pytest.mark.integration
+def test_auto_under_the_job_s_ep_fits_where_the_job_does(capsys):
+    """torchtitan's Qwen3-30B-A3B job with EP 8 at 5 x 4,096 tokens on 8 H100s holds 70.0 GiB; auto searched its
+    groups without EP (70.6 GiB), laid the job's EP on them (85.2 GiB), said "no plan fits" with the smallest peak
+    70.6 GiB, under the budget, and ``fit`` gave batch 4 (a trial). Where auto's groups fit without EP and not under
+    it, the expert's grouping is screened under EP too: auto's plan fits, no slower than the job."""
+    spec = f"{FIXTURES}/qwen3/config_registry.py:qwen3_30b_a3b"
+    assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100", "--json", "--",
+                 "--parallelism.expert_parallel_degree", "8", "--training.disable_cuda_graphs",
+                 "--training.num_tokens_per_microbatch_per_dp_rank", "20480"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config_step"]["budget"]["fits"] and result["fits"], result.get("message")
+    assert result["auto_step"]["step_time"] <= result["config_step"]["step_time"]
+    assert result["plan"]["expert_parallel"]["degree"] == 8
+
+
 @pytest.mark.integration
 def test_the_ep_degree_auto_chooses_is_a_key_it_changes(capsys):
     """gpt-oss-20b's job runs without EP (expert_parallel_degree = 1); on 8 H100s auto's EP screen takes EP 8, and
@@ -1251,6 +1307,11 @@ def test_the_ep_degree_auto_chooses_is_a_key_it_changes(capsys):
     rows = [c for c in result["changes"] if c["key"] == "parallelism.expert_parallel_degree"]
     assert degree > 1 and rows == [{"key": "parallelism.expert_parallel_degree", "config": "1", "auto": str(degree),
                                     "expressible": True}]
+    # the checkpointing row counts the blocks left uncheckpointed too ("23 op-level" read as all 24 checkpointed)
+    plan = result["plan"]
+    held = len(plan.get("activation_checkpointing", [])) + len(plan.get("selective_checkpointing", {}))
+    ac = next(c["auto"] for c in result["changes"] if c["key"] == "activation_checkpoint")
+    assert held < 24 and ac.startswith("per block: ") and f" + {24 - held} none" in ac, ac
 
 
 def test_a_registry_jobs_float8_recipe_is_one_its_converter_takes_and_emulation_is_bf16():
@@ -1529,5 +1590,11 @@ def test_the_keys_auto_changes_say_its_tp_degree_and_activation_offloading(capsy
             changes["parallelism.tensor_parallel_degree"]["auto"]) == ("1", "4")
     assert changes["parallelism.data_parallel_shard_degree"]["auto"] == "2"
     assert "parallelism.data_parallel_replicate_degree" not in changes
+    # the same step on 2 data-parallel ranks: 4x the tokens each, as the plan (and its export) runs them; the rows
+    # above alone would have quartered the global batch (a trial)
+    tokens = {side: int(changes["training.num_tokens_per_microbatch_per_dp_rank"][side].replace(",", ""))
+              for side in ("config", "auto")}
+    workload = out["plan"]["workload"]
+    assert tokens["auto"] == 4 * tokens["config"] == workload["batch"] * workload["seq"], (tokens, workload)
     ac = changes["activation_checkpoint"]
     assert ("offloaded to the host" in ac["auto"]) is offloads and ac["expressible"] is not offloads

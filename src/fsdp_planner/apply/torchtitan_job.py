@@ -104,10 +104,11 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
                      "mixed_precision_param": "bfloat16" if precision.compute_bytes == 2 else "float32",
                      "mixed_precision_reduce": "float32",  # torchtitan's only (a bf16 reduce is said apart)
                      "enable_cpu_offload": plan.offload,
-                     # the planned step is eager: torchtitan's CUDA graphs keep the sharded grads all step
-                     # (zero_grad(set_to_none=False)), which the plan's memory did not count, and refuse EP's
-                     # all-to-all dispatcher (its CPU sync: Trainer.Config's _validate_cuda_graphs)
-                     "disable_cuda_graphs": True},
+                     # torchtitan's CUDA graphs keep the sharded grads all step (zero_grad(set_to_none=False)):
+                     # on where the plan's memory counted them (a graphed job's plan, read back as planned), else
+                     # off, and off under EP, whose all-to-all dispatcher they refuse (its CPU sync:
+                     # Trainer.Config's _validate_cuda_graphs)
+                     "disable_cuda_graphs": plan.zero_grad != "zeros" or plan.ep_degree > 1},
         "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],
                         "fsdp_reshard_after_forward": rule, "tensor_parallel_degree": plan.tp_degree,
                         "pipeline_parallel_degree": 1, "context_parallel_degree": 1,  # (a base job's replaced)
@@ -199,9 +200,16 @@ def _flags_notes(plan: Plan) -> list[str]:
     out.append("the job sets parallelism.spmd_backend = \"partial_dtensor\" (torchtitan's default: spmd_types): the "
                "plan's FSDP2 and TP run over DTensor device meshes, as fsdp_planner_job()'s parallelize_fn applies "
                "them")
+    if plan.zero_grad and plan.ep_degree > 1:
+        out.append("the plan was simulated with the sharded grads kept all step (a CUDA-graph job's zero_grad), and "
+                   "the job runs eager (torchtitan's CUDA graphs refuse EP's all-to-all dispatcher here): its grads "
+                   "are freed between steps, below the plan's memory")
     if flavor in NO_REGISTRY_JOB:
-        out.append(f"torchtitan has no registry job of {plan.model} ({flavor[0]} {flavor[1]}): TORCHTITAN_FLAGS, which "
-                   "cannot set the model, run another flavour on any job; fsdp_planner_job() sets it")
+        # (qwen3 8B's jobs at b5bcd76 are an SFT job and an nvfp4 one: "no registry job" read as false, a trial)
+        out.append(f"torchtitan's registry has no bf16 or float8 pretraining job of {plan.model} ({flavor[0]} "
+                   f"{flavor[1]}): fsdp_planner_job() builds on {BASE_JOBS[flavor]}() (the same tokenizer) and sets "
+                   "the model; TORCHTITAN_FLAGS, which cannot set it, run the flavour of whichever job they are "
+                   "given to")
     if plan.checkpoints and plan.checkpoint_early_stop:
         out.append("TORCHTITAN_FLAGS on another job checkpoint with torchtitan's wrapper, which re-runs each block "
                    "whole (early_stop=False): the plan stops early, as fsdp_planner_job()'s parallelize_fn does")

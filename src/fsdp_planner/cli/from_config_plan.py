@@ -24,6 +24,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.planners.auto import PeakTerm
+from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.planners.config_edit import Setting
 from fsdp_planner.service.configured import ConfigOutcome, compare_config
 from fsdp_planner.service.fit import offload_verdict
@@ -119,10 +120,12 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _result(outcome: ConfigOutcome, cfg: JobConfig) -> Result:
     config_plan = outcome.config.rows[0][0]
+    blocks = len(block_instances(outcome.auto.trace))
     changes = _changes(cfg, outcome.old, outcome.new, config_plan, outcome.auto.search.plan
-                       if outcome.auto.search else None)
-    edit = (_changes(cfg, outcome.old, outcome.edit[0], config_plan, None), outcome.edit[1]) if outcome.edit \
-        else None
+                       if outcome.auto.search else None, blocks)
+    changes += _batch_change(cfg, outcome.old, outcome.new, outcome.config.job.model.workload())
+    edit = (_changes(cfg, outcome.old, outcome.edit[0], config_plan, None, blocks), outcome.edit[1]) \
+        if outcome.edit else None
     return Result(outcome, changes, edit)
 
 
@@ -130,12 +133,16 @@ def _result(outcome: ConfigOutcome, cfg: JobConfig) -> Result:
 REGISTRY_AC = {ACMode.NONE: "None", ACMode.FULL: "FullAC.Config()", ACMode.OP: "SelectiveAC.Config()"}
 
 
-def _ac_text(cfg: JobConfig, mode: ACMode | None, plan: Plan | None = None) -> str:
+def _ac_text(cfg: JobConfig, mode: ACMode | None, plan: Plan | None = None, blocks: int = 0) -> str:
+    """The checkpointing a key says, or a plan's per block (``blocks``: the model's, so the ones left
+    uncheckpointed are counted too: "19 op-level" read as every block checkpointed)."""
     if mode is None and plan is not None and (plan.activation_checkpointing or plan.selective_checkpointing):
         full, op = len(plan.activation_checkpointing), len(plan.selective_checkpointing)
         whole = "" if plan.checkpoint_early_stop else ", re-run whole (early_stop=False)"
+        left = blocks - full - op
         return "per block: " + " + ".join([*([f"{full} full"] if full else []),
-                                           *([f"{op} op-level"] if op else [])]) + whole
+                                           *([f"{op} op-level"] if op else []),
+                                           *([f"{left} none"] if left > 0 else [])]) + whole
     if cfg.registry:
         return REGISTRY_AC.get(mode or ACMode.NONE, f"{(mode or ACMode.NONE).value} (no torchtitan class)")
     if cfg.kind == TORCHTITAN:
@@ -161,11 +168,13 @@ def _reshard_text(cfg: JobConfig, value: str | None, plan: Plan | None = None, r
     return "true" if on else "false"
 
 
-def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan | None) -> list[Change]:
+def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan | None,
+             blocks: int = 0) -> list[Change]:
     """The keys whose value differs, each old -> new; a value no key can say is marked not expressible. With
-    ``auto``, its grouping last (an export's job, which runs the plan it holds, compared plan with plan)."""
+    ``auto``, its grouping last (an export's job, which runs the plan it holds, compared plan with plan).
+    ``blocks``: the model's repeated blocks (``_ac_text``)."""
     held = auto is not None and cfg.plan is not None
-    out = _ac_change(cfg, old, new, config_plan, auto)
+    out = _ac_change(cfg, old, new, config_plan, auto, blocks)
     fsdp1 = cfg.fsdp1
     olds, news = (_reshard_text(cfg, r, p, m.replicate) for r, p, m in ((old.reshard, config_plan, old.mesh),
                                                                          (new.reshard, auto, new.mesh)))
@@ -185,7 +194,8 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
     return out
 
 
-def _ac_change(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan | None) -> list[Change]:
+def _ac_change(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan | None,
+               blocks: int = 0) -> list[Change]:
     """The checkpointing key's change, if any (auto's activation offloading, ``--ac offload``'s, said: no key says
     it, and "none" alone read as advice to drop checkpointing)."""
     held = auto is not None and cfg.plan is not None
@@ -196,8 +206,9 @@ def _ac_change(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, au
     ok = new.ac is not None and not offloaded and (new.ac in REGISTRY_AC if cfg.registry else
                                                    cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
     owners = "1 block's" if offloaded == 1 else f"{offloaded:,} blocks'"
-    said = _ac_text(cfg, new.ac, auto) + (f" + {owners} activations offloaded to the host" if offloaded else "")
-    return [Change(cfg.key("ac"), _ac_text(cfg, old.ac, config_plan), said, ok)]
+    said = _ac_text(cfg, new.ac, auto, blocks) + (f" + {owners} activations offloaded to the host" if offloaded
+                                                  else "")
+    return [Change(cfg.key("ac"), _ac_text(cfg, old.ac, config_plan, blocks), said, ok)]
 
 
 def _mesh_changes(cfg: JobConfig, old: Setting, new: Setting) -> list[Change]:
@@ -211,6 +222,22 @@ def _mesh_changes(cfg: JobConfig, old: Setting, new: Setting) -> list[Change]:
             out.append(Change(cfg.key("replicate"), str(old.mesh.replicate), str(new.mesh.replicate)))
         out.append(Change(cfg.key("shard"), str(old.mesh.shard), str(new.mesh.shard)))
     return out
+
+
+def _batch_change(cfg: JobConfig, old: Setting, new: Setting, workload: dict[str, int]) -> list[Change]:
+    """The batch key a TP change moves: auto judges TP d at d / the job's TP degree times the batch per
+    data-parallel rank (the same step on fewer data-parallel ranks, ``judged_model``), and the export writes it; a
+    user following the other rows alone would halve the global batch (a trial)."""
+    batch, seq = workload.get("batch_size"), workload.get("seq_len")
+    if new.tp == old.tp or cfg.kind != TORCHTITAN or not batch:
+        return []
+    if cfg.registry and seq:
+        key, before = "training.num_tokens_per_microbatch_per_dp_rank", batch * seq
+    else:
+        key, before = "training.local_batch_size", batch
+    after = before * new.tp / old.tp
+    return [Change(key, f"{before:,}", f"{after:,.0f}" if after.is_integer() else f"{after:,.2f}",
+                   after.is_integer())]
 
 
 def _checkpointed(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...], bool]:

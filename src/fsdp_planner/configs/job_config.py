@@ -330,6 +330,7 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
                                  "torchtitan refuses a table's unknown field)")
             elif key not in known:
                 _unknown_key(cfg, f"[{section}]", key, near)
+    _fault_tolerance(cfg, data.get("fault_tolerance"))
     _titan_model(cfg, _table(cfg, data, "model"))
     _titan_training(cfg, _table(cfg, data, "training"))
     _titan_optimizer(cfg, _table(cfg, data, "optimizer"))
@@ -466,6 +467,16 @@ def _titan_model(cfg: JobConfig, model: dict[str, Any]) -> None:
     cfg.keys["model.name"], cfg.keys["model.flavor"] = name, flavor
     if isinstance(name, str) and isinstance(flavor, str):
         cfg.model = titan_model(name, flavor)
+
+
+def _fault_tolerance(cfg: JobConfig, ft: Any) -> None:
+    """A section read past, but for a note where torchft runs (a trial's torchft job was read without a word)."""
+    if isinstance(ft, dict) and ft.get("enable") is True:
+        method = ft.get("semi_sync_method")
+        cfg.notes.append("fault_tolerance.enable: torchft's replica groups are not modelled (their quorum and "
+                         "cross-replica gradient all-reduce" + (f"; {shown_json(method)}'s outer optimizer and its "
+                         "copy of the params" if isinstance(method, str) else "") + "): the figures are of one "
+                         "replica group's step without them")
 
 
 def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:

@@ -839,6 +839,9 @@ def toml_tables(config: dict[str, Any], models: dict[str, str], label: str, note
             data[LOSS_TABLE] = {"chunks": chunks} if chunks is not None else {"whole": _whole(value)}
         elif key in READ:
             data[key] = _section(key, value, label, notes)
+        elif key == "fault_tolerance" and isinstance(value, Call):  # (read past, but for a note on torchft's)
+            data[key] = {k: v for k, v in value.fields.items()
+                         if k in ("enable", "semi_sync_method") and isinstance(v, (bool, str))}
         else:
             data[key] = {}  # the TOML reader names a section it does not know
     if "training" in data:

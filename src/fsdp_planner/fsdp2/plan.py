@@ -25,6 +25,7 @@ from fsdp_planner.choices import (
     PRECISION_NAMES,
     SAC_POLICY_NAMES,
     SacPolicy,
+    ZeroGrad,
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import printable_name
@@ -41,7 +42,8 @@ PLAN_VERSION = 1
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
              "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8", "workload",
-             "optimizer", "checkpoint_early_stop", "compiled_loss", "kernels", "loss_chunks", "loss_head")
+             "optimizer", "checkpoint_early_stop", "compiled_loss", "kernels", "loss_chunks", "loss_head",
+             "zero_grad")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -233,6 +235,8 @@ class Plan:
     # ChunkedLossWrapper (--loss-chunks; ``trace/chunked_loss.py``): what an export's loss does; 0: whole
     loss_head: str = ""  # with loss_chunks: the output layer's module name (what an export's chunked step runs
     # alone); "" where not recorded
+    zero_grad: str = ""  # "zeros": simulated with the sharded grads kept all step (--zero-grad zeros, torchtitan's
+    # CUDA-graph jobs' zero_grad(set_to_none=False)), which a torchtitan export keeps; "": freed (torch's default)
 
     def __post_init__(self) -> None:
         _tuples(self, ("groups", "activation_checkpointing", "activation_offloading", "compiled"))
@@ -406,6 +410,8 @@ class Plan:
             d["optimizer"] = self.optimizer
         if not self.checkpoint_early_stop:  # absent: torch's default, as plans written before it read
             d["checkpoint_early_stop"] = False
+        if self.zero_grad:
+            d["zero_grad"] = self.zero_grad
         return d
 
     def to_json(self) -> str:
@@ -484,6 +490,7 @@ def _plan_from_dict(data: Any) -> Plan:
                 compiled_loss=_compiled_loss_from(data.get("compiled_loss", False)),
                 loss_chunks=_loss_chunks_from(data.get("loss_chunks", 0)),
                 loss_head=_loss_head_from(data.get("loss_head", "")),
+                zero_grad=_zero_grad_from(data.get("zero_grad", "")),
                 **_memory_options(data))
     plan = _with_its_ep(plan)
     check_int_reshard_on_dim0(plan)
@@ -609,6 +616,12 @@ def _optimizer_from(value: Any) -> str:
     if value != "" and value not in OPTIMIZER_NAMES:
         raise PlannerError(f"plan 'optimizer' must be one of {', '.join(OPTIMIZER_NAMES)}, got {shown_json(value)}")
     return str(value)
+
+
+def _zero_grad_from(value: Any) -> str:
+    if value not in ("", ZeroGrad.NONE.value, ZeroGrad.ZEROS.value):
+        raise PlannerError(f"plan 'zero_grad' must be \"zeros\" or \"none\", got {shown_json(value)}")
+    return "zeros" if value == ZeroGrad.ZEROS.value else ""
 
 
 def _precision_from(value: Any) -> str:

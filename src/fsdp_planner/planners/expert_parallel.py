@@ -381,7 +381,8 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     if not result.fixed_checkpointing:
         found += _in_full(found, views, cluster, options, result.memory.fits) + \
             _op_level_everywhere(found, trace, views, cluster, options, result.memory.fits)
-        if not result.fits:
+        if not result.fits or not any(o.degree > 1 and result.memory.fits(o.step.reserved_memory) for o in found):
+            # (auto's groups fit without EP and not under it: the expert's grouping may, as a job's own can)
             found += _block_options(result, trace, cluster, options, found, views, per_param, placement)
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=_fastest) if fitting else \

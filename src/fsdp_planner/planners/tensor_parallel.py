@@ -261,7 +261,7 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
         "transformers' base_model_tp_plan has no sequence parallelism: the norms, residuals and every block's "
         "output are whole on each TP rank (and the logits too, without loss parallel), where torchtitan's layout "
         "shards them by the TP degree (a plan file's 'tensor_parallel' can give sequence-parallel styles; the built-in "
-        "llama3-* models and --from-torchtitan jobs have torchtitan's)",)
+        "llama3-* models, which torchtitan's llama3 jobs run, have torchtitan's)",)
     return Layout(tp, "transformers' base_model_tp_plan", notes, heads=heads, per_head=_hf_colwise(trace, plan))
 
 

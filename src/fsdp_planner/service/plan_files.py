@@ -31,7 +31,7 @@ CHUNKS_DIFFER = "the plan runs the loss in"  # how the note on a plan's chunks t
 def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str], None],
               world: int | None = None, options: SimOptions | None = None, text: str | None = None) -> Plan:
     """The plan file for the traced ``model``, checked (against ``world`` ranks too, when given) before its notes
-    (what its EP leaves out; a plan made for another attention kernel, another precision or optimizer than the
+    (what its EP leaves out; a plan made for another attention kernel, precision, optimizer or zero_grad than the
     command's ``options``, or another step than their micro-batches of the model's workload on ``world`` ranks); a
     hand-written one (module lists) gets its params derived. ``text``: the plan's JSON held elsewhere (an export's),
     ``path`` naming where."""
@@ -47,7 +47,8 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     if (said := _other_workload(plan, as_spec(model), world, options and options.micro_batches)) is not None:
         note(said)
     for flag, made, runs in (("precision", plan.precision, options and options.precision.name),
-                             ("optimizer", plan.optimizer, options and options.optimizer.name)):
+                             ("optimizer", plan.optimizer, options and options.optimizer.name),
+                             ("zero-grad", plan.zero_grad, options and options.zero_grad.value)):
         if runs and made and made != runs:  # (a command runs what it is told; the plan's is said)
             note(f"the plan was made with --{flag} {made} and this command runs {runs}: add --{flag} {made} for "
                  "the figures it was planned with")

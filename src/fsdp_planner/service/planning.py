@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from fsdp_planner.choices import ExpertPlacement, GradientSync, ShardPlacement, Target
+from fsdp_planner.choices import ExpertPlacement, GradientSync, ShardPlacement, Target, ZeroGrad
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import short_list
@@ -160,8 +160,8 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     """``plan`` as it leaves the program (``--out``, the API's return): with the precision and the optimizer (export
     sets them, so the code runs as the numbers assumed), the attention kernel it was planned for (absent: the
     default), the hf_config fields (verify rebuilds that model), the modules it compiles (the trace's,
-    ``--compile``), its loss in chunks (``--loss-chunks``), its float8 training (``--float8``) and checkpointing
-    without early stop (``--no-early-stop``)."""
+    ``--compile``), its loss in chunks (``--loss-chunks``), its float8 training (``--float8``), checkpointing
+    without early stop (``--no-early-stop``) and grads kept all step (``--zero-grad zeros``)."""
     check_compiled_groups(plan, tr.compiled)
     float8 = job.options.float8 or plan.float8
     if float8 is not None and float8.tp_float8_all_gather and plan.tp_degree == 1:  # auto chose no TP: nothing
@@ -173,6 +173,7 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
                                compiled_loss=tr.compiled_loss is not None, loss_chunks=tr.loss_chunks,
                                loss_head=head.module if tr.loss_chunks and (head := output_layer(tr)) else "",
                                float8=float8,
+                               zero_grad="zeros" if job.options.zero_grad is ZeroGrad.ZEROS else "",
                                workload=_workload(plan, job),
                                checkpoint_early_stop=_early_stop(plan, job.options))
 

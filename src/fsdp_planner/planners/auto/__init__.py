@@ -280,6 +280,8 @@ class AutoPolicy:
                 last = ways[-1] if ways else (self.options.offload, self.options.shard_placement)
                 tried = replace(self, options=self.options.with_memory_options(*last), choose_memory_options=False,
                                 checkpointing=ACMode.OFFLOAD)._search(trace, model)
+                # (auto's own last resort, not the user's checkpointing: an EP screen after may checkpoint otherwise)
+                tried = replace(tried, fixed_checkpointing=self.checkpointing is not None)
                 if tried.fits:
                     return tried
                 tried_names.add("activation offloading" + (f" with {label[ways[-1]]}" if ways else ""))
@@ -819,7 +821,9 @@ def infeasible_message(result: AutoResult) -> str:
     floor = result.min_peak  # (simulates the frugal plans skipped so far: they may hold the smallest peak)
     smallest = min(ev.seen, key=lambda c: c.report.reserved_memory)
     terms = peak_terms(ev, smallest)
-    if result.report.reserved_memory < floor:  # a screen after the search (EP) held less than any plan it searched
+    ep_after = result.plan.expert_parallel is not None and smallest.plan.expert_parallel is None
+    if result.report.reserved_memory < floor or ep_after:  # a screen after the search (EP) held less than any plan
+        # it searched, or the EP asked for was laid on the searched groups after: its options are the plans there
         floor, smallest = result.report.reserved_memory, Candidate(result.plan, result.report, "screen")
         terms = dict(sorted(((t, b) for t, b in _report_terms(result.report).items() if b > 0),
                             key=lambda tb: -tb[1]))
