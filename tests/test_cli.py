@@ -332,3 +332,13 @@ def test_the_groups_table_says_how_a_group_s_checkpointed_modules_are_checkpoint
     console.print(groups_table(mixed, tr))
     rows = [line for line in console.export_text().splitlines() if line.startswith("│ 0 ")]
     assert [c.strip() for c in rows[0].split("│")][-2] == "full and offload: layers.0, layers.1", rows
+
+
+def test_one_rank_s_reduce_scatter_stream_is_said_as_the_grads_copy(capsys) -> None:
+    """On one GPU FSDP2 reduce-scatters nothing, yet copies the grads into the reduce-scatter buffer: "0
+    reduce-scatters ... reduce-scatter 36.5 us" read as a contradiction (a trial)."""
+    for cluster, one in (("h100:1", True), ("h100:2", False)):
+        assert main(["simulate", "toy-llama", "--policy", "titan", "--cluster", cluster]) == 0
+        line = next(s for s in capsys.readouterr().out.splitlines() if "comm busy" in s)
+        assert ("reduce-scatter none (the grads' copy into its buffer " in line) is one, line
+        assert line.startswith("0 all-gathers (0 B), 0 reduce-scatters") is one, line

@@ -200,6 +200,10 @@ def test_png_draws_every_name_as_text(hostile_view, tmp_path):
 def test_printable_shows_control_characters_as_escapes():
     shown = printable("a\x1b]0;pwned\x07b\x1b[2J\tc\nd\u202e\x9b\x7fé")
     assert shown == "a\\x1b]0;pwned\\x07b\\x1b[2J\tc\nd\\u202e\\x9b\\x7fé"  # tab, newline and letters kept
+    # invisible characters: a name of a no-break space read as the root's blank row (a trial); letters of any script,
+    # dashes and ellipses stay
+    assert printable("\u00a0|\ufeffa|b\u200bc|\u00ad|\u2060") == "\\xa0|\\ufeffa|b\\u200bc|\\xad|\\u2060"
+    assert printable("é中文—…ß") == "é中文—…ß"
 
 
 @pytest.mark.parametrize("edit, said", [
@@ -386,3 +390,17 @@ def test_verify_table_shows_names_from_a_run_as_text():
     measured = "".join(line.split("│")[3].strip() for line in console.file.getvalue().splitlines()
                        if line.count("│") == 5)  # the measured column's cells, read down
     assert long in measured and "…" not in measured, console.file.getvalue()
+
+
+def test_a_name_no_text_can_hold_is_said_as_that(tmp_path, capsys):
+    """A module named by a lone surrogate (Python's str takes it; UTF-8 and so a plan file cannot) failed as
+    "tracing ... failed: UnicodeEncodeError" (a trial): the name is said, in one line."""
+    from fsdp_planner.cli import main
+
+    path = tmp_path / "odd.py"
+    path.write_text("import torch\nfrom torch import nn\n\n\ndef build():\n    m = nn.Sequential()\n"
+                    "    m.add_module('\\ud800', nn.Linear(4, 4))\n    return m, (torch.randn(2, 4),)\n")
+    assert main(["plan", f"{path}:build", "--policy", "titan", "--cluster", "h100:8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: model '{path}:build' names a module or param '\\ud800', which is no valid text (a lone "
+                   "surrogate: UTF-8 cannot hold it, nor a plan file): rename it"), err

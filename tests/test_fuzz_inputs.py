@@ -333,14 +333,14 @@ def test_a_huge_hugging_face_config_is_refused_by_size(capsys, tmp_path: Path) -
 # huge numbers: num_hidden_layers=99999999999999999999 hung (a config built a per-layer list), -1 planned no layers
 HF_NUMBERS = [
     ("num_hidden_layers=99999999999999999999", "num_hidden_layers = 99999999999999999999 is out of range: a whole "
-     "number from 1 to 10,000 (layers)"),
-    ("num_hidden_layers=-1", "num_hidden_layers = -1 is out of range: a whole number from 1 to 10,000 (layers)"),
-    ("n_layer=0", "n_layer = 0 is out of range: a whole number from 1 to 10,000 (layers)"),
+     "number from 1 to 2,048 (layers)"),
+    ("num_hidden_layers=-1", "num_hidden_layers = -1 is out of range: a whole number from 1 to 2,048 (layers)"),
+    ("n_layer=0", "n_layer = 0 is out of range: a whole number from 1 to 2,048 (layers)"),
     # a wrong type is said as one (it was "out of range": a new user's finding)
     ("hidden_size=1e30", "hidden_size = 1e+30 is not a whole number: give one from 1 to 1,048,576 (a hidden size)"),
     ("num_attention_heads=true", "num_attention_heads = true is not a whole number: give one from 1 to 65,536 "
      "(attention heads)"),
-    ("num_hidden_layers=\"four\"", 'num_hidden_layers = "four" is not a whole number: give one from 1 to 10,000 '
+    ("num_hidden_layers=\"four\"", 'num_hidden_layers = "four" is not a whole number: give one from 1 to 2,048 '
      "(layers)"),
     ("vocab_size=4294967296", "vocab_size = 4294967296 is out of range: a whole number from 1 to 16,777,216 "
      "(a vocabulary)"),
@@ -365,7 +365,7 @@ def test_numbers_in_config_files_and_plans_are_checked_too(capsys, tmp_path: Pat
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**_hf_doc(), "text_config": {"num_hidden_layers": 10**20}}))
     assert _one_line(capsys, ["plan", f"hf:{path}"]) == f"error: config file '{path}': text_config.num_hidden_layers " \
-        "= 100000000000000000000 is out of range: a whole number from 1 to 10,000 (layers)"
+        "= 100000000000000000000 is out of range: a whole number from 1 to 2,048 (layers)"
     # Python's JSON reader takes NaN and Infinity: a NaN epsilon planned, then trained NaN params (a new user's
     # finding; --hf-config refused them already)
     for field, value in (("rms_norm_eps", "NaN"), ("rope_theta", "-Infinity")):
@@ -391,7 +391,7 @@ def test_a_per_stage_list_of_architecture_numbers_is_checked_item_by_item(tmp_pa
     path.write_text(json.dumps(swin))
     assert read_config(str(path))["num_heads"] == [2, 4]
     for field, value, expected in (("depths", [2, 10**12], "depths[1] = 1000000000000 is out of range: a whole number "
-                                    "from 1 to 10,000 (layers)"),
+                                    "from 1 to 2,048 (layers)"),
                                    ("num_heads", [0], "num_heads[0] = 0 is out of range"),
                                    ("out_indices", [1, 2**60], "out_indices[1] = 1152921504606846976 is out of range: "
                                     "at most 2^53")):

@@ -340,3 +340,19 @@ def test_a_backbone_config_planned_with_a_classifier_says_so(tmp_path, capsys):
     vit = _config(tmp_path, "vit", {"model_type": "vit", "architectures": ["ViTForImageClassification"], **small})
     assert main(["plan", vit, "--policy", "module", "--batch", "2"]) == 0
     assert "no classifier" not in capsys.readouterr().err
+
+
+def test_a_config_naming_its_own_code_is_planned_as_transformers_class_and_says_so(tmp_path, capsys):
+    """A config with ``auto_map`` (a ``trust_remote_code`` model) was planned as plain Mistral without a word: its
+    code is never run (a marker it would write stays absent), and a note names what was planned instead."""
+    marker = tmp_path / "ran"
+    (tmp_path / "modeling_own.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    own = {**MISTRAL, "auto_map": {"AutoModelForCausalLM": "modeling_own.OwnForCausalLM"}}
+    for data, said in ((own, True), (MISTRAL, False)):
+        capsys.readouterr()
+        assert main(["plan", _config(tmp_path, f"own{said}", data), "--policy", "titan", "--cluster", "h100:8",
+                     "--seq", "32"]) == 0
+        assert ("the config's auto_map names its own code (\"modeling_own.OwnForCausalLM\" for AutoModelForCausalLM), "
+                "which fsdp-planner never runs: the model planned is transformers' own \"mistral\" class"
+                in capsys.readouterr().err) == said
+    assert not marker.exists()

@@ -106,6 +106,11 @@ def test_cluster_json_round_trip_and_validation(tmp_path) -> None:
         Cluster.from_dict({**d, "engine": "tpu"})
     with pytest.raises(PlannerError, match=r"tables\.all_gather"):
         Cluster.from_dict({**d, "tables": {AG: [[4096, 1e-3], [1024, 2e-3]]}})
+    # a time that falls as the size grows (1 GiB costed as 2 bytes: 940 GB/s on gloo, a trial); an equal one stands
+    with pytest.raises(PlannerError, match=r"'tables\.all_gather' has a time that falls as the size grows \(row 1: "
+                                           r"2 bytes in 0\.001 s, after 1 in 1 s\)"):
+        Cluster.from_dict({**d, "tables": {AG: [[1, 1.0], [2, 1e-3]]}})
+    assert list(Cluster.from_dict({**d, "tables": {AG: [[1, 1e-3], [2, 1e-3]]}}).tables[AG]) == [(1, 1e-3), (2, 1e-3)]
     streams = {**d, "engine": "streams"}  # a negative op time only corrects measured CPU ops
     with pytest.raises(PlannerError, match=r"overhead\.op_seconds' is -.* s, outside 0\.\.1 s"):
         Cluster.from_dict(streams)

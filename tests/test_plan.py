@@ -144,6 +144,8 @@ def _order_plan_dict() -> dict:
     (lambda g: g[1].__setitem__("backward_prefetch", [-1]), "backward_prefetch names -1"),
     (lambda g: g[1].__setitem__("backward_prefetch", [1]), "backward_prefetch names 1, which is not another group"),
     (lambda g: g[1].__setitem__("forward_prefetch", [True]), "must be a list of group indices"),
+    # a group listed twice (FSDP2 would unshard it twice; 100,000 repeats were read, a trial)
+    (lambda g: g[1].__setitem__("forward_prefetch", [2, 0, 2]), "forward_prefetch names group 2 twice"),
     (lambda g: g[1]["modules"].append(g[1]["modules"][0]), "twice in that group"),
     (lambda g: g[2]["modules"].append(g[1]["modules"][0]), "also in group 1"),
     (lambda g: g[0].__setitem__("modules", []), "lists no modules"),

@@ -481,13 +481,29 @@ def test_a_job_on_an_unread_base_must_set_what_the_step_reads(tmp_path):
     bare.write_text("from torchtitan.models.llama3.config_registry import llama3_8b\n\n\ndef job():\n"
                     "    config = llama3_8b()\n    config.training.steps = 5\n    return config\n")
     with pytest.raises(PlannerError, match=r"leaves model_spec, activation_checkpoint, training.num_tokens_per_micro"
-                                           r"batch_per_dp_rank, .*, parallelism.expert_parallel_degree, "
-                                           r"compile.enable, compile.components as "
+                                           r"batch_per_dp_rank, training.max_context_length and 13 more as "
                                            r"llama3_8b\(\) has them: set them "
                                            r"in job \(or give the flag\), or read llama3_8b's own file "
                                            r"\(--from-torchtitan torchtitan.models.llama3.config_registry:"
                                            r"llama3_8b\)$"):
         read_config(TORCHTITAN, f"{bare}:job")
+    # a converter of another job (graph_trainer's jobs): its own file is no job; the job it converts is (a trial)
+    converted = tmp_path / "converted.py"
+    converted.write_text("from torchtitan.models.llama3.config_registry import llama3_8b\n"
+                         "from torchtitan.experiments.graph_trainer.configs import to_graph_trainer_config\n\n\n"
+                         "def job():\n    config = to_graph_trainer_config(llama3_8b(), model_registry)\n"
+                         "    return config\n")
+    with pytest.raises(PlannerError, match=r"set them in job \(or give the flag\), or plan the job it converts "
+                                           r"\(--from-torchtitan torchtitan.models.llama3.config_registry:llama3_8b\); "
+                                           r"what to_graph_trainer_config\(\) changes of that job is not modelled$"):
+        read_config(TORCHTITAN, f"{converted}:job")
+    # another trainer's config (transformers_modeling_backend's, the RL controller's): named short, and why
+    other = tmp_path / "other.py"
+    other.write_text(f"def job():\n    return TransformersBackendConfig(hf_model={'x' * 900!r})\n")
+    with pytest.raises(PlannerError, match=r"job returns TransformersBackendConfig\(\.\.\.\), not Trainer\.Config"
+                                           r"\(\.\.\.\) or another job of the file: fsdp-planner reads the jobs of "
+                                           r"torchtitan's Trainer"):
+        read_config(TORCHTITAN, f"{other}:job")
 
 
 

@@ -73,8 +73,11 @@ def fmt_modules(modules: Sequence[str], limit: int = 3) -> str:
 
 
 # C0 and C1 control characters but tab and newline, DEL, and the Unicode line separators and bidirectional
-# overrides: what lets a name from a file move the cursor, retitle or clear the terminal, or reorder the text shown.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# overrides: what lets a name from a file move the cursor, retitle or clear the terminal, or reorder the text shown;
+# and the invisible ones (no-break and zero-width spaces, joiners, marks, the byte-order mark, soft hyphen), which
+# make a name look blank or like another (a module named "\u00a0" read as the root's row, a trial).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\xa0\xad\u061c\u180e\u2000-\u200f\u2028-\u202f\u205f-\u2064"
+                      r"\u2066-\u2069\u3000\ufeff]")
 
 
 def printable(text: str) -> str:

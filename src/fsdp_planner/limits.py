@@ -31,7 +31,8 @@ MIN_MFU = 1e-3  # mfu: below 0.1% of peak no GPU runs, and step times grow past 
 # count). Far beyond any published model, small enough that nothing built from them runs for minutes.
 RANGES: tuple[tuple[tuple[str, ...], int, int, str], ...] = (
     (("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers", "num_encoder_layers",
-      "encoder_layers", "decoder_layers", "depths"), 1, 10_000, "layers"),
+      "encoder_layers", "decoder_layers", "depths"), 1, 2_048, "layers"),  # (DeepNet's 1,000-layer Transformer the
+    # deepest published; 10,000 Llama layers took 5 minutes and 3.5 GB to plan titan's way, a trial: 2,048 ~70 s)
     (("hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim",
       "decoder_ffn_dim", "moe_intermediate_size", "head_dim", "d_kv", "kv_lora_rank", "q_lora_rank",
       "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "embedding_size", "embed_dim"), 1, 1 << 20,

@@ -484,6 +484,7 @@ class UnreadBase:
     job: str
     whole: frozenset[str]
     module: str  # where the file imports it from ("MODULE" where it does not say)
+    converts: str = ""  # MODULE:JOB of the job ``base`` is given to convert (``base(job(), ...)``), where imported
 
 
 def check_set_over(config: dict[str, Any], overrides: Sequence[Override], label: str,
@@ -498,12 +499,15 @@ def check_set_over(config: dict[str, Any], overrides: Sequence[Override], label:
                if section not in whole for key in (keys or ("",))
                if not key or not (isinstance(config.get(section), Call) and key in config[section].fields)]
     if missing:
-        shown = ", ".join(missing)  # (at most SET_OVER_BASE's keys: each named, as each must be set)
+        # (the first few named: all 15 cut the message's advice off, a trial)
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         them = "them" if len(missing) > 1 else "it"
+        where = (f"or plan the job it converts (--from-torchtitan {unread.converts}); what {unread.base}() changes "
+                 "of that job is not modelled") if unread.converts else \
+            f"or read {unread.base}'s own file (--from-torchtitan {unread.module}:{unread.base})"
         raise PlannerError(f"{label}: {unread.job} builds on {unread.base}(), which is not in the file (the reader "
                            f"does not run it), and leaves {shown} as {unread.base}() has {them}: set {them} in "
-                           f"{unread.job} (or give the flag), or read {unread.base}'s own file (--from-torchtitan "
-                           f"{unread.module}:{unread.base})")
+                           f"{unread.job} (or give the flag), {where}")
     optimizer = config.get("optimizer")
     said = "" if "optimizer" in whole else ": its optimizer's param groups are simulated as AdamW" \
         if isinstance(optimizer, Call) and "implementation" in optimizer.fields \
@@ -533,9 +537,17 @@ def _returned(source: Source, node: Any, name: str, label: str, depth: int, note
     if isinstance(node, ast.Call) and _dotted(node.func) and edited:  # a job of another module (torchtitan's own,
         # imported): not read; what the step depends on must be set here (``check_set_over``)
         base = _dotted(node.func)
-        return {BASE: UnreadBase(base, name, frozenset(), source.imported.get(base.split(".")[0], "MODULE"))}
-    shown = cut_short(ast.unparse(node)) if node is not None else "nothing"
-    raise PlannerError(f"{label}: {name} returns {shown}, not Trainer.Config(...) or another job of the file")
+        # a converter of another job (graph_trainer's ``to_graph_trainer_config(llama3_8b(), model_registry)``)
+        given = _dotted(node.args[0].func) if node.args and isinstance(node.args[0], ast.Call) else ""
+        converts = f"{source.imported[given.split('.')[0]]}:{given}" \
+            if given and given.split(".")[0] in source.imported else ""
+        return {BASE: UnreadBase(base, name, frozenset(), source.imported.get(base.split(".")[0], "MODULE"),
+                                 converts)}
+    shown = "nothing" if node is None else f"{_dotted(node.func)}(...)" if isinstance(node, ast.Call) and \
+        _dotted(node.func) else cut_short(ast.unparse(node))
+    raise PlannerError(f"{label}: {name} returns {shown}, not Trainer.Config(...) or another job of the file: "
+                       "fsdp-planner reads the jobs of torchtitan's Trainer (and of its subclasses' Config), whose "
+                       "keys it knows; another trainer's config is not read")
 
 
 def _arguments(fn: ast.FunctionDef, call: ast.Call, scope: dict[str, Any], label: str) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import json
 import keyword
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -841,6 +841,19 @@ def _check_structure(groups: list[Group]) -> None:
             if bad:
                 raise PlannerError(f"plan group {i}: {key} names {shown_json(bad[0])}, which is not another group of "
                                    f"the plan (groups are numbered 0 to {len(groups) - 1})")
+            twice = _first_repeat(targets)
+            if twice is not None:  # (FSDP2 would unshard it twice over; a 100,000-entry list was read, a trial)
+                raise PlannerError(f"plan group {i}: {key} names group {twice} twice; each may be listed once")
+
+
+def _first_repeat(values: Sequence[int]) -> int | None:
+    """The first value ``values`` holds twice, if any (in one pass: a list may be long)."""
+    seen: set[int] = set()
+    for v in values:
+        if v in seen:
+            return v
+        seen.add(v)
+    return None
 
 
 # -- limits: what a plan file may hold at all, checked on the raw JSON before it is read ------------------------------

@@ -622,6 +622,14 @@ def _check_tables(tables: Tables, label: str, physical: bool) -> None:
         for i, (n, t) in enumerate(rows):
             _check_range(label, f"tables.{kind}.{i}.bytes", n, TABLE_BYTES, physical)
             _check_range(label, f"tables.{kind}.{i}.seconds", t, TABLE_SECONDS, physical)
+        # (calibrate writes them non-decreasing; one that falls would cost a large collective as a small one: a 1
+        # GiB all-gather at 940 GB/s on gloo, a trial)
+        fall = next((i for i in range(1, len(rows)) if rows[i][1] < rows[i - 1][1]), None)
+        if fall is not None:
+            raise PlannerError(f"the {label} field 'tables.{_shown(kind)}' has a time that falls as the size grows "
+                               f"(row {fall}: {_short(rows[fall][0])} bytes in {rows[fall][1]:.3g} s, after "
+                               f"{_short(rows[fall - 1][0])} in {rows[fall - 1][1]:.3g} s): times must not fall "
+                               "with size, as calibrate writes them")
 
 
 def _check_fits(fits: Fits, label: str, physical: bool) -> None:

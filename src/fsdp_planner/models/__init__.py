@@ -26,6 +26,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -583,6 +584,7 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
     if loss_fn is not None and not callable(loss_fn):
         raise PlannerError(f"model factory '{spec}' returned a loss_fn that is not callable: "
                            f"{type(loss_fn).__name__}")
+    _check_names_encode(model, spec)
     params = list(model.parameters())
     if not params:
         raise PlannerError(f"model '{spec}' has no parameters: there is nothing for FSDP to shard")
@@ -592,6 +594,17 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
     if meta:
         inputs = _onto_meta(model, inputs)
     return LoadedModel(spec, model, inputs, loss_fn, hf.own_checkpointing_off(model))
+
+
+def _check_names_encode(model: nn.Module, spec: str) -> None:
+    """Every module and param name is text a file can hold: a lone surrogate (``"\\ud800"``, which Python's str
+    takes) failed deep in tracing as "UnicodeEncodeError" (a trial); it is named here instead."""
+    for name, _ in chain(model.named_modules(), model.named_parameters()):
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PlannerError(f"model '{spec}' names a module or param {ascii(name)[:80]}, which is no valid text "
+                               "(a lone surrogate: UTF-8 cannot hold it, nor a plan file): rename it") from None
 
 
 def _onto_meta(model: nn.Module, inputs: Any) -> Any:

@@ -43,7 +43,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import printable
 from fsdp_planner.limits import check_config, check_field
 from fsdp_planner.patching import TORCHAO_LOGGERS, quiet_loggers
-from fsdp_planner.userfiles import MAX_SOURCE_BYTES, parse_json, read_text, shown_json
+from fsdp_planner.userfiles import MAX_SOURCE_BYTES, parse_json, read_text, shown_json, shown_key
 
 PREFIX = "hf:"
 CONFIG_DIR = Path(__file__).with_name("hf_configs")
@@ -686,6 +686,19 @@ def learned_positions(model: nn.Module) -> tuple[str, int] | None:
 
 # the first transformers release the planner is not checked against (pyproject.toml's bound says why)
 UNCHECKED_TRANSFORMERS = (5, 26)
+
+
+def remote_code_note(source: str) -> str | None:
+    """A config whose ``auto_map`` names its own modeling code (``trust_remote_code`` models): that code is never
+    run here (data is not code), so the model planned is transformers' own class of its ``model_type``, which may
+    differ from what the job trains: said (a trial's config was planned as plain Llama without a word)."""
+    auto_map = read_config(source).get("auto_map")
+    if not isinstance(auto_map, dict) or not auto_map:
+        return None
+    named = ", ".join(f"{shown_json(v)} for {shown_key(str(k))}" for k, v in list(auto_map.items())[:3])
+    more = f" and {len(auto_map) - 3} more" if len(auto_map) > 3 else ""
+    return (f"the config's auto_map names its own code ({named}{more}), which fsdp-planner never runs: the model "
+            f"planned is transformers' own {shown_json(read_config(source)['model_type'])} class, not that code's")
 
 
 def version_note() -> str | None:

@@ -66,7 +66,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
                  routing_note(spec, routed[0]),
                  own_checkpointing_note(lm.own_checkpointing), positions, encoder,
                  *((hf.mtp_note(lm.model), hf.dense_experts_note(lm.model)) if hf.is_hf(spec.name) else ()),
-                 hf.version_note() if hf.is_hf(spec.name) else None):
+                 *((hf.version_note(), hf.remote_code_note(spec.name.removeprefix(hf.PREFIX)))
+                   if hf.is_hf(spec.name) else ())):
         if line:
             note(line)
     return as_the_job_runs(tr, lm, spec, loss_inputs, precision or SimOptions().precision, note)
