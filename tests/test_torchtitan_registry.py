@@ -1297,6 +1297,25 @@ def test_a_fault_tolerant_job_says_torchft_is_not_modelled(tmp_path):
 
 
 @pytest.mark.integration
+def test_auto_s_tp_on_a_job_built_as_transformers_modules_says_its_layout_and_batch(capsys):
+    """torchtitan's Qwen3 8B nvfp4 job on 8 H100s: auto takes TP 2, priced on transformers' TP plan (no sequence
+    parallelism), which torchtitan does not run: said (the only note on it claimed --from-torchtitan jobs have
+    torchtitan's layout); and its rows took the data-parallel degree 8 -> 4 without the tokens each rank runs, so
+    following them halved the global batch (a trial)."""
+    spec = f"{FIXTURES}/qwen3/config_registry.py:qwen3_8b_first_85_pct_layers_nvfp4"
+    assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100:8", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["plan"]["tensor_parallel"]["degree"] == 2
+    changes = {c["key"]: (c["config"], c["auto"]) for c in result["changes"]}
+    assert changes["parallelism.data_parallel_shard_degree"] == ("8", "4")
+    assert changes["training.num_tokens_per_microbatch_per_dp_rank"] == ("2,048", "4,096")
+    assert "auto's TP 2 would run torchtitan's own layout for \"qwen3\" flavor \"8B\", and its figures here are of " \
+        "transformers' plan for hf:qwen3-8b (no sequence parallelism" in captured.err
+    assert "--from-torchtitan jobs have torchtitan's" not in captured.err
+
+
+@pytest.mark.integration
 def test_auto_under_the_job_s_ep_fits_where_the_job_does(capsys):
     """torchtitan's Qwen3-30B-A3B job with EP 8 at 5 x 4,096 tokens on 8 H100s holds 70.0 GiB; auto searched its
     groups without EP (70.6 GiB), laid the job's EP on them (85.2 GiB), said "no plan fits" with the smallest peak

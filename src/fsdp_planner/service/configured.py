@@ -371,9 +371,7 @@ def _tensor_parallel(m: _Merge, world: int) -> None:
         m.values["tp_key"] = key
     if cfg.kind == TORCHTITAN and str(m.values["model"]).startswith("hf:"):
         m.note(f"torchtitan runs its own TP layout for {cfg.model_label} (sequence parallelism, loss parallel), "
-               f"and the figures here are of transformers' plan for {m.values['model']} (no sequence parallelism, "
-               "the logits all-gathered), which is slower and holds more: Llama 3 8B at TP 2, batch 2 x 4,096, "
-               "full checkpointing on h100:8, 732 ms and 32 GiB reserved against 585 ms and 26 GiB in torchtitan's")
+               f"and the figures here are of {hf_tp_layout(str(m.values['model']))}")
     if cfg.loss_parallel is not None:
         m.given("loss_parallel", cfg.loss_parallel, "parallelism.disable_loss_parallel")
     if cfg.async_tp:
@@ -599,6 +597,13 @@ def _config_setting(cfg: JobConfig, kw: Keywords, dp: int) -> Setting:
                    cfg.tp)
 
 
+def hf_tp_layout(model: str) -> str:
+    """What TP on a torchtitan job built as transformers' modules is priced as (its own layout is torchtitan's)."""
+    return (f"transformers' plan for {model} (no sequence parallelism, the logits all-gathered), which is slower "
+            "and holds more: Llama 3 8B at TP 2, batch 2 x 4,096, full checkpointing on h100:8, 732 ms and 32 GiB "
+            "reserved against 585 ms and 26 GiB in torchtitan's")
+
+
 def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter,
                    early_stop_given: bool = False) -> ConfigOutcome:
     """The config's job beside auto's plan, and the fastest edit of its keys within the budget (each edit planned
@@ -632,6 +637,10 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     if cfg.plan is not None and traced.plan is not None:  # an export's job: what its keys say is its plan's
         old = plan_setting(traced.plan, tr, world)
     new = plan_setting(auto.search.plan, tr, world)
+    if cfg.kind == TORCHTITAN and new.tp != old.tp and new.tp > 1 and job.model.name.startswith("hf:"):
+        # (auto's TP advice on such a job: priced on a layout torchtitan does not run, a trial)
+        reporter.note(f"auto's TP {new.tp} would run torchtitan's own layout for {cfg.model_label}, and its figures "
+                      f"here are of {hf_tp_layout(job.model.name)}")
 
     def step(setting: Setting) -> StepReport | None:
         ac = setting.ac or ACMode.NONE
