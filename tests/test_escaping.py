@@ -402,5 +402,11 @@ def test_a_name_no_text_can_hold_is_said_as_that(tmp_path, capsys):
                     "    m.add_module('\\ud800', nn.Linear(4, 4))\n    return m, (torch.randn(2, 4),)\n")
     assert main(["plan", f"{path}:build", "--policy", "titan", "--cluster", "h100:8"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: model '{path}:build' names a module or param '\\ud800', which is no valid text (a lone "
-                   "surrogate: UTF-8 cannot hold it, nor a plan file): rename it"), err
+    assert err == (f"error: model '{path}:build' names a module, param or buffer '\\ud800', which is no valid text "
+                   "(a lone surrogate: UTF-8 cannot hold it, nor a plan file): rename it"), err
+    # a buffer so named, and a module's second name (an alias tracing reads too), the same (the review)
+    for second in ("m.register_buffer('\\ud800', torch.ones(1))", "m.add_module('\\udc00', m[0])"):
+        path.write_text("import torch\nfrom torch import nn\n\n\ndef build():\n    m = nn.Sequential(nn.Linear(4, 4))\n"
+                        f"    {second}\n    return m, (torch.randn(2, 4),)\n")
+        assert main(["plan", f"{path}:build", "--policy", "titan", "--cluster", "h100:8"]) == 2
+        assert "which is no valid text (a lone surrogate" in capsys.readouterr().err

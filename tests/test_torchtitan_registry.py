@@ -1610,14 +1610,17 @@ def test_simulate_says_the_graphed_job_s_host_wait_too(capsys):
     assert "torchtitan replays the forward and backward as a CUDA graph" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("budget", "offloads"), [("16GiB", False), ("20GiB", True)])
-def test_the_keys_auto_changes_say_its_tp_degree_and_activation_offloading(capsys, budget: str, offloads: bool):
+@pytest.mark.parametrize(("budget", "offloads", "flags"), [("16GiB", False, []), ("20GiB", True, []),
+                                                      ("16GiB", False, ["--", "--training.num_tokens_per_train_step",
+                                                                        "131072"])])  # 2 micro-batches a step
+def test_the_keys_auto_changes_say_its_tp_degree_and_activation_offloading(capsys, budget: str, offloads: bool,
+                                                                            flags: list[str]):
     """Auto's plan of a job under a small budget took TP 4, said as "data_parallel_replicate_degree 1 -> 1,
     data_parallel_shard_degree 8 -> 2" (the TP degree's own key was missing), and one offloading every block's
     activations to the host said "activation_checkpoint: ... -> None", read as advice to drop checkpointing (a
     trial). The TP key has its row, an unchanged degree none, and the offloading is said and marked as no key's."""
     assert main(["plan", "--from-torchtitan", job("llama3_8b"), "--cluster", "h100:8", "--memory-budget", budget,
-                 "--json", "--quiet"]) in (0, 1)
+                 "--json", "--quiet", *flags]) in (0, 1)
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["tensor_parallel"]["degree"] == 4
     changes = {c["key"]: c for c in out["changes"]}
@@ -1629,7 +1632,8 @@ def test_the_keys_auto_changes_say_its_tp_degree_and_activation_offloading(capsy
     # above alone would have quartered the global batch (a trial)
     tokens = {side: int(changes["training.num_tokens_per_microbatch_per_dp_rank"][side].replace(",", ""))
               for side in ("config", "auto")}
-    workload = out["plan"]["workload"]
-    assert tokens["auto"] == 4 * tokens["config"] == workload["batch"] * workload["seq"], (tokens, workload)
+    workload = out["plan"]["workload"]  # (the key is a micro-batch's: the plan's step batch over its micro-batches)
+    assert tokens["auto"] == 4 * tokens["config"] == workload["batch"] // workload["micro_batches"] * workload["seq"]
+    assert workload["micro_batches"] == (2 if flags else 1)
     ac = changes["activation_checkpoint"]
     assert ("offloaded to the host" in ac["auto"]) is offloads and ac["expressible"] is not offloads

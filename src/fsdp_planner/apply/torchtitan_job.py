@@ -105,10 +105,9 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
                      "mixed_precision_reduce": "float32",  # torchtitan's only (a bf16 reduce is said apart)
                      "enable_cpu_offload": plan.offload,
                      # torchtitan's CUDA graphs keep the sharded grads all step (zero_grad(set_to_none=False)):
-                     # on where the plan's memory counted them (a graphed job's plan, read back as planned), else
-                     # off, and off under EP, whose all-to-all dispatcher they refuse (its CPU sync:
-                     # Trainer.Config's _validate_cuda_graphs)
-                     "disable_cuda_graphs": plan.zero_grad != "zeros" or plan.ep_degree > 1},
+                     # on where the plan's memory counted them (a graphed job's plan, read back as planned) and
+                     # nothing rules them out (``graphs_off``), else off
+                     "disable_cuda_graphs": plan.zero_grad != "zeros" or graphs_off(plan) is not None},
         "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],
                         "fsdp_reshard_after_forward": rule, "tensor_parallel_degree": plan.tp_degree,
                         "pipeline_parallel_degree": 1, "context_parallel_degree": 1,  # (a base job's replaced)
@@ -200,10 +199,13 @@ def _flags_notes(plan: Plan) -> list[str]:
     out.append("the job sets parallelism.spmd_backend = \"partial_dtensor\" (torchtitan's default: spmd_types): the "
                "plan's FSDP2 and TP run over DTensor device meshes, as fsdp_planner_job()'s parallelize_fn applies "
                "them")
-    if plan.zero_grad and plan.ep_degree > 1:
-        out.append("the plan was simulated with the sharded grads kept all step (a CUDA-graph job's zero_grad), and "
-                   "the job runs eager (torchtitan's CUDA graphs refuse EP's all-to-all dispatcher here): its grads "
-                   "are freed between steps, below the plan's memory")
+    if plan.zero_grad and (off := graphs_off(plan)) is not None:
+        out.append("the plan was simulated with the sharded grads kept all step (--zero-grad zeros, a CUDA-graph "
+                   f"job's zero_grad), and the job runs eager ({off}): its grads are freed between steps, below the "
+                   "plan's memory")
+    elif plan.zero_grad:
+        out.append("the plan was simulated with the sharded grads kept all step (--zero-grad zeros): the job replays "
+                   "its step as a CUDA graph (training.disable_cuda_graphs = False), whose zero_grad keeps them so")
     if flavor in NO_REGISTRY_JOB:
         # (qwen3 8B's jobs at b5bcd76 are an SFT job and an nvfp4 one: "no registry job" read as false, a trial)
         out.append(f"torchtitan's registry has no bf16 or float8 pretraining job of {plan.model} ({flavor[0]} "
@@ -279,6 +281,17 @@ def _float8_notes(plan: Plan, precision: Precision) -> list[str]:
         out.append("the plan runs under autocast, which torchtitan's job has no key for: it runs FSDP2's mixed "
                    "precision (params cast to bf16 for compute)")
     return out
+
+
+def graphs_off(plan: Plan) -> str | None:
+    """Why the job runs without torchtitan's CUDA graphs whatever the plan's zero_grad (None: nothing does): EP's
+    all-to-all dispatcher, which they refuse (its CPU sync: Trainer.Config's _validate_cuda_graphs), and the
+    host copies of CPU and activation offloading, which a captured graph does not replay as eager runs them."""
+    if plan.ep_degree > 1:
+        return "torchtitan's CUDA graphs refuse EP's all-to-all dispatcher here"
+    if plan.offload or plan.activation_offloading:
+        return "CUDA graphs off for the plan's host offloading"
+    return None
 
 
 def _alike(names: Sequence[str], modules: Mapping[str, nn.Module]) -> int:

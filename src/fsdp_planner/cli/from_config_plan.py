@@ -139,7 +139,7 @@ def _ac_text(cfg: JobConfig, mode: ACMode | None, plan: Plan | None = None, bloc
     if mode is None and plan is not None and (plan.activation_checkpointing or plan.selective_checkpointing):
         full, op = len(plan.activation_checkpointing), len(plan.selective_checkpointing)
         whole = "" if plan.checkpoint_early_stop else ", re-run whole (early_stop=False)"
-        left = blocks - full - op
+        left = blocks - full - op - len(plan.activation_offloading)  # (the offloaded said apart)
         return "per block: " + " + ".join([*([f"{full} full"] if full else []),
                                            *([f"{op} op-level"] if op else []),
                                            *([f"{left} none"] if left > 0 else [])]) + whole
@@ -227,14 +227,16 @@ def _mesh_changes(cfg: JobConfig, old: Setting, new: Setting) -> list[Change]:
 def _batch_change(cfg: JobConfig, old: Setting, new: Setting, workload: dict[str, int]) -> list[Change]:
     """The batch key a TP change moves: auto judges TP d at d / the job's TP degree times the batch per
     data-parallel rank (the same step on fewer data-parallel ranks, ``judged_model``), and the export writes it; a
-    user following the other rows alone would halve the global batch (a trial)."""
+    user following the other rows alone would halve the global batch (a trial). ``workload``: the job's as run,
+    one micro-batch's, as the key says it."""
     batch, seq = workload.get("batch_size"), workload.get("seq_len")
     if new.tp == old.tp or cfg.kind != TORCHTITAN or not batch:
         return []
     if cfg.registry and seq:
         key, before = "training.num_tokens_per_microbatch_per_dp_rank", batch * seq
     else:
-        key, before = "training.local_batch_size", batch
+        key = "training.batch_size" if "training.batch_size" in cfg.keys else "training.local_batch_size"
+        before = batch
     after = before * new.tp / old.tp
     return [Change(key, f"{before:,}", f"{after:,.0f}" if after.is_integer() else f"{after:,.2f}",
                    after.is_integer())]

@@ -539,12 +539,12 @@ def _returned(source: Source, node: Any, name: str, label: str, depth: int, note
         base = _dotted(node.func)
         # a converter of another job (graph_trainer's ``to_graph_trainer_config(llama3_8b(), model_registry)``)
         given = _dotted(node.args[0].func) if node.args and isinstance(node.args[0], ast.Call) else ""
-        converts = f"{source.imported[given.split('.')[0]]}:{given}" \
-            if given and given.split(".")[0] in source.imported else ""
+        converts = f"{source.imported[given]}:{given}" if given in source.imported else ""  # (a bare name only:
+        # ``module.job`` would name no function of the module it was imported from)
         return {BASE: UnreadBase(base, name, frozenset(), source.imported.get(base.split(".")[0], "MODULE"),
                                  converts)}
-    shown = "nothing" if node is None else f"{_dotted(node.func)}(...)" if isinstance(node, ast.Call) and \
-        _dotted(node.func) else cut_short(ast.unparse(node))
+    shown = "nothing" if node is None else cut_short(f"{_dotted(node.func)}(...)") \
+        if isinstance(node, ast.Call) and _dotted(node.func) else cut_short(ast.unparse(node))
     raise PlannerError(f"{label}: {name} returns {shown}, not Trainer.Config(...) or another job of the file: "
                        "fsdp-planner reads the jobs of torchtitan's Trainer (and of its subclasses' Config), whose "
                        "keys it knows; another trainer's config is not read")

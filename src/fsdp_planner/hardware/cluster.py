@@ -629,7 +629,8 @@ def _check_tables(tables: Tables, label: str, physical: bool) -> None:
             raise PlannerError(f"the {label} field 'tables.{_shown(kind)}' has a time that falls as the size grows "
                                f"(row {fall}: {_short(rows[fall][0])} bytes in {rows[fall][1]:.3g} s, after "
                                f"{_short(rows[fall - 1][0])} in {rows[fall - 1][1]:.3g} s): times must not fall "
-                               "with size, as calibrate writes them")
+                               "with size, as calibrate writes them (a file of an older calibrate --trace: run it "
+                               "again)")
 
 
 def _check_fits(fits: Fits, label: str, physical: bool) -> None:

@@ -597,14 +597,15 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
 
 
 def _check_names_encode(model: nn.Module, spec: str) -> None:
-    """Every module and param name is text a file can hold: a lone surrogate (``"\\ud800"``, which Python's str
+    """Every module, param and buffer name is text a file can hold: a lone surrogate (``"\\ud800"``, which Python's str
     takes) failed deep in tracing as "UnicodeEncodeError" (a trial); it is named here instead."""
-    for name, _ in chain(model.named_modules(), model.named_parameters()):
+    for name, _ in chain(model.named_modules(remove_duplicate=False), model.named_parameters(remove_duplicate=False),
+                         model.named_buffers(remove_duplicate=False)):  # (every alias: tracing reads them all)
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:
-            raise PlannerError(f"model '{spec}' names a module or param {ascii(name)[:80]}, which is no valid text "
-                               "(a lone surrogate: UTF-8 cannot hold it, nor a plan file): rename it") from None
+            raise PlannerError(f"model '{spec}' names a module, param or buffer {ascii(name)[:80]}, which is no valid "
+                               "text (a lone surrogate: UTF-8 cannot hold it, nor a plan file): rename it") from None
 
 
 def _onto_meta(model: nn.Module, inputs: Any) -> Any:

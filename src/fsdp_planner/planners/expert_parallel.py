@@ -381,8 +381,9 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     if not result.fixed_checkpointing:
         found += _in_full(found, views, cluster, options, result.memory.fits) + \
             _op_level_everywhere(found, trace, views, cluster, options, result.memory.fits)
-        if not result.fits or not any(o.degree > 1 and result.memory.fits(o.step.reserved_memory) for o in found):
-            # (auto's groups fit without EP and not under it: the expert's grouping may, as a job's own can)
+        if not result.fits or (degrees and not any(result.memory.fits(o.step.reserved_memory) for o in found)):
+            # (the EP asked for: auto's groups fit without it and not under it, where the expert's grouping may, as
+            # a job's own can; auto's own screen keeps its plan without EP then)
             found += _block_options(result, trace, cluster, options, found, views, per_param, placement)
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=_fastest) if fitting else \
@@ -401,8 +402,10 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
         return replace(result, meshes=meshes) if best.plan is result.plan else \
             replace(result, plan=best.plan, report=best.step, meshes=meshes)
     label = f"{_on_mesh(result.plan.policy, best.plan.mesh, cluster)}, {best.describe(where=False)}"
+    if not best.plan.activation_offloading:  # (the expert's grouping in place of auto's last resort: none offloaded)
+        label = label.replace(", ac offload", "", 1)
     return replace(result, plan=best.plan.replace(policy=label), run=best.plan.run, report=best.step,
-                   fits=bool(fitting), meshes=meshes)
+                   fits=bool(fitting), meshes=meshes, ep_given=bool(degrees))
 
 
 def _ep_candidates(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
@@ -489,7 +492,8 @@ BLOCK_OPTIONS = 3  # the layouts of torchtitan's grouping whose checkpointing is
 def _block_options(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, found: list[EPOption],
                    views: dict[tuple, Trace], per_param: tuple[bool, ...] = BOTH_PLACEMENTS,
                    placement: ShardPlacement | None = None) -> list[EPOption]:
-    """Where nothing fit without EP, torchtitan's grouping (the titan baseline: a group per block) under each EP
+    """Where nothing fit without EP (or, with the EP asked for, nothing under it), torchtitan's grouping (the titan
+    baseline: a group per block) under each EP
     degree screened, in each of ``per_param``'s placements, on the degree's best layout and on pure FSDP, every block
     checkpointed in full; the ``BLOCK_OPTIONS`` fastest of those, and each layout's and placement's fastest, then
     with the fewest leading blocks checkpointed in full that let them fit (``placement``: the shard dims). Auto's
@@ -504,7 +508,9 @@ def _block_options(result: AutoResult, trace: Trace, cluster: Cluster, options: 
         return []
     blocks = block_instances(trace)
     base = titan.plan.running(result.run)  # (the memory options the search ran with: shard dims, offload)
-    base = base.replace(activation_checkpointing=(), selective_checkpointing={},
+    # (the expert's checkpointing, in full: none of auto's activation offloading, on the blocks that checkpoints, a
+    # plan FSDP2 cannot run: the review)
+    base = base.replace(activation_checkpointing=(), selective_checkpointing={}, activation_offloading=(),
                         groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in base.groups])
     flat = Mesh.flat(cluster.world_size)
     searched = {c.plan.mesh or flat for c in result.meshes.values()}  # (a --mesh given: that one alone)

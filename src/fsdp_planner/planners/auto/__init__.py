@@ -135,6 +135,7 @@ class AutoResult:
     chosen: Candidate | None = field(default=None, repr=False)  # the candidate behind ``plan`` and ``report``
     also_tried: tuple[str, ...] = ()  # FSDP2 memory options searched too, none of which fit (``AutoPolicy.search``)
     checkpointing: Choice | None = None  # the chosen layout's checkpointing choice (None: none was needed)
+    ep_given: bool = False  # ``plan``'s EP is the degree asked for, laid on the searched groups after the search
     fixed_checkpointing: bool = False  # the user fixed the checkpointing (``--ac``, a config's): kept as given
     run: RunOptions = field(default_factory=RunOptions)  # the memory options the plan was searched with (auto's
     # way out when nothing fits without them): written into the plan only where it leaves the program
@@ -821,7 +822,7 @@ def infeasible_message(result: AutoResult) -> str:
     floor = result.min_peak  # (simulates the frugal plans skipped so far: they may hold the smallest peak)
     smallest = min(ev.seen, key=lambda c: c.report.reserved_memory)
     terms = peak_terms(ev, smallest)
-    ep_after = result.plan.expert_parallel is not None and smallest.plan.expert_parallel is None
+    ep_after = result.ep_given and smallest.plan.expert_parallel is None
     if result.report.reserved_memory < floor or ep_after:  # a screen after the search (EP) held less than any plan
         # it searched, or the EP asked for was laid on the searched groups after: its options are the plans there
         floor, smallest = result.report.reserved_memory, Candidate(result.plan, result.report, "screen")
