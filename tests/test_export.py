@@ -635,6 +635,10 @@ def test_export_and_simulate_say_the_optimizer_and_precision_the_plan_was_made_w
         assert "OPTIMIZER: str = 'sgd-momentum'  # the plan's figures assume torch.optim.SGD(params, lr, momentum)" \
             in capsys.readouterr().out
     assert "OPTIMIZER" not in export_plan(Plan.load(plan).replace(optimizer=""), ExportFormat.PYTHON)
+    # a plan of grads kept all step (--zero-grad zeros) says how the loop clears them; one of freed grads, nothing
+    kept = export_plan(Plan.load(plan).replace(zero_grad="zeros"), ExportFormat.PYTHON)
+    assert "SET_TO_NONE: bool = False  # the plan's memory assumes optimizer.zero_grad(set_to_none=False)" in kept
+    assert "SET_TO_NONE" not in export_plan(Plan.load(plan), ExportFormat.PYTHON)
     for given, said in (([], True), (["--optimizer", "sgd-momentum"], False)):  # simulate says which it runs
         capsys.readouterr()
         assert main(["simulate", "toy-llama", "--plan", str(plan), "--cluster", "h100:8", *given]) == 0

@@ -399,6 +399,9 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
     if plan.optimizer:  # the optimizer the plan's step time and memory were simulated with: the loop makes it
         lines.append(f"OPTIMIZER: str = {py_literal(plan.optimizer)}  # the plan's figures assume "
                      f"{OPTIMIZER_CALLS[plan.optimizer]}: make your optimizer so")
+    if plan.zero_grad:  # the grads' lifetime the plan's memory assumed: the loop clears them so
+        lines.append("SET_TO_NONE: bool = False  # the plan's memory assumes optimizer.zero_grad(set_to_none=False): "
+                     "the sharded grads kept all step")
     w = plan.workload
     if w is not None and w.micro_batches > 1:  # gradient accumulation: the step the figures are of
         sync = ("every micro-batch's backward reduce-scatters its gradients (torchtitan's loop)" if w.sync_every else
