@@ -604,6 +604,14 @@ def hf_tp_layout(model: str) -> str:
             "reserved against 585 ms and 26 GiB in torchtitan's")
 
 
+def _tp_advice_note(cfg: JobConfig, old: Setting, new: Setting, model: str, reporter: Reporter) -> None:
+    """Auto's TP advice on a torchtitan job built as transformers' modules: priced on a layout torchtitan does not
+    run (a trial)."""
+    if cfg.kind == TORCHTITAN and new.tp != old.tp and new.tp > 1 and model.startswith("hf:"):
+        reporter.note(f"auto's TP {new.tp} would run torchtitan's own layout for {cfg.model_label}, and its figures "
+                      f"here are of {hf_tp_layout(model)}")
+
+
 def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter,
                    early_stop_given: bool = False) -> ConfigOutcome:
     """The config's job beside auto's plan, and the fastest edit of its keys within the budget (each edit planned
@@ -637,10 +645,7 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     if cfg.plan is not None and traced.plan is not None:  # an export's job: what its keys say is its plan's
         old = plan_setting(traced.plan, tr, world)
     new = plan_setting(auto.search.plan, tr, world)
-    if cfg.kind == TORCHTITAN and new.tp != old.tp and new.tp > 1 and job.model.name.startswith("hf:"):
-        # (auto's TP advice on such a job: priced on a layout torchtitan does not run, a trial)
-        reporter.note(f"auto's TP {new.tp} would run torchtitan's own layout for {cfg.model_label}, and its figures "
-                      f"here are of {hf_tp_layout(job.model.name)}")
+    _tp_advice_note(cfg, old, new, job.model.name, reporter)
 
     def step(setting: Setting) -> StepReport | None:
         ac = setting.ac or ACMode.NONE
