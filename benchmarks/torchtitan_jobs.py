@@ -29,6 +29,7 @@ JOBS = (
     ("llama3", "llama3_8b", 8), ("llama3", "llama3_70b", 64), ("llama3", "llama3_405b", 128),
     ("deepseek_v3", "deepseek_v3_16b", 8), ("deepseek_v3", "deepseek_v3_16b_hybridep", 8),
     ("gpt_oss", "gpt_oss_20b", 8), ("gpt_oss", "gpt_oss_120b", 32), ("kimi_k2_7", "moonlight_16b_a3b", 8),
+    ("qwen3", "qwen3_14b", 8), ("qwen3", "qwen3_30b_a3b", 8), ("qwen3", "qwen3_32b", 16),
 )
 
 
