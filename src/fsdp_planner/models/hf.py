@@ -692,13 +692,14 @@ def remote_code_note(source: str) -> str | None:
     """A config whose ``auto_map`` names its own modeling code (``trust_remote_code`` models): that code is never
     run here (data is not code), so the model planned is transformers' own class of its ``model_type``, which may
     differ from what the job trains: said (a trial's config was planned as plain Llama without a word)."""
-    auto_map = read_config(source).get("auto_map")
+    data = read_config(source)
+    auto_map = data.get("auto_map")
     if not isinstance(auto_map, dict) or not auto_map:
         return None
     named = ", ".join(f"{shown_json(v)} for {shown_key(str(k))}" for k, v in list(auto_map.items())[:3])
     more = f" and {len(auto_map) - 3} more" if len(auto_map) > 3 else ""
     return (f"the config's auto_map names its own code ({named}{more}), which fsdp-planner never runs: the model "
-            f"planned is transformers' own {shown_json(read_config(source)['model_type'])} class, not that code's")
+            f"planned is transformers' own {shown_json(data['model_type'])} class, not that code's")
 
 
 def version_note() -> str | None:
