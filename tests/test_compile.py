@@ -206,6 +206,29 @@ def test_predicted_saved_bytes_equal_what_the_inductor_compiled_toy_block_saves(
     assert all(measured)
 
 
+def test_a_variant_read_later_is_what_it_measures_when_traced():
+    """The selective checkpointing variants past the first are measured when a plan first reads them (a dynamo
+    compile of seconds each: torchtitan's Qwen3 8B job planned in 95 s of CPU, 28 s so): read after the trace, out
+    of the attention kernel it planned and with the model's params back in float32, one is what it measures as the
+    first, in the trace's compute dtype and kernel."""
+    lm = load_model(ModelSpec("toy-llama"), meta=True)
+    later, first = SacPolicy.TITAN_EARLY.value, SacPolicy.TITAN.value
+
+    def recorded(*policies: str):
+        with kernel("eager"):  # (the math path: its saves under SAC differ from the fused kernel's)
+            return record_compiled(lm.model, lm.example_inputs, BLOCKS, torch.bfloat16,
+                                   {p: functools.partial(_selective, policy=SacPolicy(p)) for p in policies})
+
+    lazy = recorded(first, later)["layers.1"].variants
+    assert repr(lazy) == f"LazyVariants({{'{first}': {lazy[first]}, '{later}': '(not read)'}})"
+    assert lazy[later] == recorded(later)["layers.1"].variants[later] > 0
+    fresh = load_model(ModelSpec("toy-llama"), meta=True)  # (one whose params hold no bfloat16 grads)
+    with kernel("eager"):
+        wrong_dtype = record_compiled(fresh.model, fresh.example_inputs, BLOCKS, None,
+                                      {later: functools.partial(_selective, policy=SacPolicy(later))})
+    assert wrong_dtype["layers.1"].variants[later] != lazy[later]  # (the check can tell a float32 block apart)
+
+
 @pytest.mark.integration
 def test_predicted_saved_bytes_equal_what_an_inductor_compiled_llama3_8b_block_saves():
     """A Llama 3 8B block at its full width (a short sequence, so that it runs on a CPU)."""

@@ -41,7 +41,6 @@ from fsdp_planner.service.tracing import (
     LayoutDoesNotRun,
     as_the_job_runs,
     built_by,
-    model_error,
     step_failure,
     step_loss,
     trace_spec,
@@ -57,6 +56,7 @@ from fsdp_planner.sim.options import Precision, SimOptions, precision_named
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.sim.simulate import simulate as simulate_step
 from fsdp_planner.trace.chunked_loss import cross_entropy
+from fsdp_planner.trace.failures import model_error
 from fsdp_planner.trace.records import Trace
 
 

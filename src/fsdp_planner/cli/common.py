@@ -16,8 +16,9 @@ from fsdp_planner.models import ModelSpec, as_spec, exit_message, load_model
 from fsdp_planner.planners.registry import PolicyRequest
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.planning import Reporter, Tracer
-from fsdp_planner.service.tracing import model_error, trace_spec
+from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.trace.failures import model_error
 from fsdp_planner.trace.records import Trace
 
 REPORTER = Reporter(render.note, render.progress)  # the service's notes and progress, on stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import re
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from copy import deepcopy
@@ -17,7 +16,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from fsdp_planner import linear_attention, routing, selective_scan
 from fsdp_planner.attention import Kernel, kernel
-from fsdp_planner.choices import SacPolicy
+from fsdp_planner.choices import DEFAULT_SAC_POLICY, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.precision import Precision
@@ -31,10 +30,10 @@ from fsdp_planner.service import tp_numerics
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.chunked_loss import cross_entropy, output_layer, output_tokens, unchunkable, with_chunked_loss
-from fsdp_planner.trace.compiled import BlockNotCompiled, alike_blocks
+from fsdp_planner.trace.compiled import alike_blocks
 from fsdp_planner.trace.compiled_loss import LossInputs, capturing, with_compiled_loss
 from fsdp_planner.trace.events import KERNEL_LINEAR_ATTENTION, KERNEL_MAMBA_SCAN, KERNEL_SELECTIVE_SCAN
-from fsdp_planner.trace.failures import LOSS, failed_at
+from fsdp_planner.trace.failures import LOSS, compile_error, failed_at, model_error
 from fsdp_planner.trace.recorder import default_loss, record, record_compiled, record_compiled_loss
 from fsdp_planner.trace.records import Trace
 
@@ -373,16 +372,15 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
     if distinct >= SLOW_COMPILES:
         note(f"compiling the blocks (--compile, or --explain comparing it): {distinct} of the model's {len(blocks)} "
              "blocks ran differently in the eager trace, so "
-             "AOTAutograd partitions each, and again per selective checkpointing policy: seconds a block, minutes "
+             "AOTAutograd partitions each, and again under the selective checkpointing a plan takes: seconds a block, minutes "
              "in all")
     try:
         with kernel(spec.attention):
             saved = record_compiled(lm.model, lm.example_inputs, blocks, precision.trace_dtype,
-                                    {p.value: functools.partial(_selective_copy, policy=p) for p in SacPolicy},
+                                    {p.value: functools.partial(_selective_copy, policy=p) for p in SAC_POLICIES},
                                     tr.cast_inputs, alike)
-    except BlockNotCompiled as e:
-        raise PlannerError(f"--compile: AOTAutograd could not trace block '{e.block}' ({compile_error(e.cause)}); "
-                           "the block does not compile with fullgraph=True as the step calls it") from e
+    except PlannerError:  # (a block that does not compile: ``BlockNotCompiled``)
+        raise
     except Exception as e:  # (capturing the blocks' arguments: the model's forward up to them)
         raise PlannerError(f"--compile: running the forward up to the blocks to compile failed ({compile_error(e)})"
                            ) from e
@@ -398,6 +396,9 @@ COMPILE_GAIN_NOTE = ("--compile: what compiling saves is the model's (inductor's
                      "tokens/s and MFU as optimistic, and weigh plans compiled alike against each other")
 
 
+# the default first: the variant measured when the step is traced (``compiled._compiled_with_variants``), the others
+# when a plan first reads them
+SAC_POLICIES = (DEFAULT_SAC_POLICY, *(p for p in SacPolicy if p is not DEFAULT_SAC_POLICY))
 SLOW_COMPILES = 8  # distinct blocks past which --compile's partitioning takes a minute or more (1-4 s a block on
 # a CPU: DeepSeek-V3's 61 layers took 3 min)
 
@@ -435,21 +436,6 @@ def own_checkpointing_note(layers: tuple[str, ...]) -> str | None:
     return (f"the model turns on transformers' gradient checkpointing ({len(layers)} layers, '{layers[0]}' first): "
             "the plan checkpoints instead (--ac full checkpoints the same blocks; auto chooses) and apply_plan turns "
             "the model's off (gradient_checkpointing_disable()), so the two never nest")
-
-
-def compile_error(e: Exception) -> str:
-    """``model_error``'s first line, and Dynamo's explanation of a graph break where it gives one: its message
-    starts with the break's kind ("Failed to trace builtin operator") and names the cause (a ``print``) lines
-    below."""
-    first = model_error(e).splitlines()[0].strip()
-    why = re.search(r"^\s*Explanation:\s*(\S.*)$", str(e), re.M)
-    return f"{first.rstrip(':')}: {why.group(1).strip()}" if why else first
-
-
-def model_error(e: Exception) -> str:
-    """What the model raised, led by the op and the module it failed in when an op of the step raised it."""
-    failed = failed_at(e)
-    return f"{failed.describe() + ' raised ' if failed else ''}{type(e).__name__}: {e}"
 
 
 def _fused_saved(model: object, attention: Kernel, built: str) -> str:

@@ -63,6 +63,7 @@ Replicate to Shard(0), a chunk's clone, no collective) before it drops it (``mem
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -102,7 +103,7 @@ from fsdp_planner.trace.events import (
     OpClass,
 )
 from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
-from fsdp_planner.trace.records import CompiledBlock, Trace
+from fsdp_planner.trace.records import CompiledBlock, Trace, mapped_variants
 from fsdp_planner.trace.tree import ROOT, is_within, parent_of, proper_ancestors
 
 _COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE)
@@ -386,7 +387,8 @@ def _local_compiled(trace: Trace, view: Trace) -> dict[str, CompiledBlock]:
         whole, local = _block_bytes(trace, m), _block_bytes(view, m)
         fused = tuple(_share(n, local[k], whole[k]) for k, n in enumerate(block.fused_nbytes))
         out[m] = replace(block, saved=_share(block.saved, local[2], whole[2]), fused_nbytes=fused,
-                         variants={k: _share(v, local[2], whole[2]) for k, v in block.variants.items()})
+                         variants=mapped_variants(block.variants, functools.partial(_share, local=local[2],
+                                                                                    whole=whole[2])))
     return out
 
 

@@ -24,11 +24,13 @@ moves more), so it is a floor on the bytes. The kernels launched are the extern 
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -38,8 +40,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import fsdp_planner.routing as routing
 from fsdp_planner.attention import GpuAttention, compilable, fused_sdpa_everywhere
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.events import Event, EventKind
-from fsdp_planner.trace.records import CompiledBlock, Trace
+from fsdp_planner.trace.failures import compile_error
+from fsdp_planner.trace.records import CompiledBlock, LazyVariants, Trace
 from fsdp_planner.trace.reuse import static_signatures
 
 # what inductor leaves to a library kernel rather than fusing (by the op's name): matmuls, convolutions, attention,
@@ -49,11 +53,13 @@ EXTERN = ("mm", "convolution", "attention", "chunk_gated_delta_rule", "chunk_kda
           "selective_scan")
 
 
-class BlockNotCompiled(Exception):
-    """A block AOTAutograd or dynamo could not trace, by name (the error said the first block's otherwise)."""
+class BlockNotCompiled(PlannerError):
+    """A block AOTAutograd or dynamo could not trace, by name (the error said the first block's otherwise): when
+    the step is traced, or when a plan first reads a selective checkpointing variant (``LazyVariants``)."""
 
     def __init__(self, block: str, cause: Exception) -> None:
-        super().__init__(block)
+        super().__init__(f"--compile: AOTAutograd could not trace block '{block}' ({compile_error(cause)}); the "
+                         "block does not compile with fullgraph=True as the step calls it")
         self.block = block
         self.cause = cause
 
@@ -361,15 +367,35 @@ def _backward_inputs_nbytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, 
     return nbytes
 
 
-def _compiled_with_variants(module: nn.Module, args: tuple, kwargs: dict,
+def _compiled_with_variants(name: str, module: nn.Module, args: tuple, kwargs: dict,
                             variants: Mapping[str, Callable[[nn.Module], nn.Module]]) -> CompiledBlock:
     with GpuAttention():  # a model calling F.scaled_dot_product_attention (transformers') gets the kernel a GPU
         block = compiled_block(module, args, kwargs)  # picks, as its eager trace did, not the math path
+    if not variants:
+        return block
+    # Each variant is a dynamo compile of seconds (a Qwen3 8B block: ~6 s on a CPU), and a plan reads the one
+    # policy it checkpoints with. The first is measured now: dynamo refuses what torch.compile(fullgraph=True)
+    # refuses (a print in the forward), which AOTAutograd alone lets through, and the step is refused so when
+    # traced. The others when first read, on a copy of the block as it is now (its params in the step's compute
+    # dtype) and under the context variables set now (the attention kernel planned).
+    copy, context = deepcopy(module), contextvars.copy_context()
+
+    def measure(make: Callable[[nn.Module], nn.Module]) -> int:
+        try:
+            return context.run(_saved_variant, make(copy), args, kwargs)
+        except Exception as e:
+            raise BlockNotCompiled(name, e) from e
+
+    lazy = LazyVariants({v: functools.partial(measure, make) for v, make in variants.items()})
+    lazy[next(iter(lazy))]
+    return dataclasses.replace(block, variants=lazy)
+
+
+def _saved_variant(module: nn.Module, args: tuple, kwargs: dict) -> int:
     with fused_sdpa_everywhere():  # (dynamo runs no torch function mode: the name bound instead) a transformers
         # block under SAC saved its math path's score matrices, every head's seq x seq (hf:llama3-8b --ac op
         # --compile: 4.6 GB a block at batch 2 x 4096, where the fused kernel's saves are 0.37 GB)
-        other = {v: saved_under_dynamo(make(module), args, kwargs) for v, make in variants.items()}
-    return dataclasses.replace(block, variants=other)
+        return saved_under_dynamo(module, args, kwargs)
 
 
 def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict, names: Sequence[str],
@@ -389,7 +415,7 @@ def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict,
     distinct = list(dict.fromkeys(alike.values()))
     for n, (args, kwargs) in block_arguments(model, example_args, example_kwargs, distinct).items():
         try:
-            compiled[n] = _compiled_with_variants(modules[n], args, kwargs, variants or {})
+            compiled[n] = _compiled_with_variants(n, modules[n], args, kwargs, variants or {})
         except Exception as e:
             raise BlockNotCompiled(n, e) from e
     return {n: compiled[first] for n, first in alike.items() if first in compiled}

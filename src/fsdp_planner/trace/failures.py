@@ -10,6 +10,7 @@ traced step never calls fine what crashes on the cluster.
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,3 +110,18 @@ def first_line(e: BaseException, limit: int = 200) -> str:
     """The exception's first line, cut to ``limit`` characters: one line of an error, whatever PyTorch wrote."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def compile_error(e: Exception) -> str:
+    """``model_error``'s first line, and Dynamo's explanation of a graph break where it gives one: its message
+    starts with the break's kind ("Failed to trace builtin operator") and names the cause (a ``print``) lines
+    below."""
+    first = model_error(e).splitlines()[0].strip()
+    why = re.search(r"^\s*Explanation:\s*(\S.*)$", str(e), re.M)
+    return f"{first.rstrip(':')}: {why.group(1).strip()}" if why else first
+
+
+def model_error(e: Exception) -> str:
+    """What the model raised, led by the op and the module it failed in when an op of the step raised it."""
+    failed = failed_at(e)
+    return f"{failed.describe() + ' raised ' if failed else ''}{type(e).__name__}: {e}"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -22,6 +23,38 @@ class CompiledBlock:
     launches: tuple[int, int]
     variants: Mapping[str, int] = field(default_factory=dict)  # what it saves compiled under selective
     # checkpointing: the policy's name -> bytes (the partitioner applying the policy)
+
+
+class LazyVariants(Mapping[str, int]):
+    """``CompiledBlock.variants`` measured when first read, each once: a variant is a dynamo compile of seconds
+    (``compiled.py``), and a plan reads the one policy it checkpoints with."""
+
+    def __init__(self, measure: Mapping[str, Callable[[], int]]) -> None:
+        self._measure = dict(measure)
+        self._measured: dict[str, int] = {}
+
+    def __getitem__(self, policy: str) -> int:
+        if policy not in self._measured:
+            self._measured[policy] = self._measure[policy]()
+        return self._measured[policy]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._measure)
+
+    def __len__(self) -> int:
+        return len(self._measure)
+
+    def __repr__(self) -> str:
+        return f"LazyVariants({ {p: self._measured.get(p, '(not read)') for p in self._measure} })"
+
+
+def mapped_variants(variants: Mapping[str, int], fn: Callable[[int], int]) -> Mapping[str, int]:
+    """``fn`` of each of ``variants``, read (and measured, where lazy) only when read itself."""
+
+    def one(policy: str) -> int:
+        return fn(variants[policy])
+
+    return LazyVariants({p: functools.partial(one, p) for p in variants})
 
 
 @dataclass(frozen=True)
