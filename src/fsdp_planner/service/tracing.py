@@ -371,9 +371,8 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
     distinct = len(set(alike.values()))
     if distinct >= SLOW_COMPILES:
         note(f"compiling the blocks (--compile, or --explain comparing it): {distinct} of the model's {len(blocks)} "
-             "blocks ran differently in the eager trace, so "
-             "AOTAutograd partitions each, and again under the selective checkpointing a plan takes: seconds a block, minutes "
-             "in all")
+             "blocks ran differently in the eager trace, so AOTAutograd partitions each, and again under the "
+             "selective checkpointing a plan takes: seconds a block, minutes in all")
     try:
         with kernel(spec.attention):
             saved = record_compiled(lm.model, lm.example_inputs, blocks, precision.trace_dtype,
