@@ -486,3 +486,29 @@ def test_apply_plan_checks_its_arguments_and_takes_a_meta_model():
             fp.apply_plan(lm.model, plan)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_compiled_plan_on_an_eager_trace_warns_and_a_compiled_trace_gives_the_cli_figures(capsys, tmp_path):
+    """``simulate`` of a compiled plan on ``trace``'s eager step gave eager figures without a word, and ``trace``
+    had no way to trace the blocks compiled (a trial): it warns now, and ``trace(..., compile=True)`` gives
+    ``simulate --plan --compile``'s figures."""
+    import warnings
+
+    lm = load_model("toy-llama", meta=True)
+    plan = fp.plan("toy-llama", cluster="h100:8", policy="titan", ac="op", compile=True)
+    with pytest.warns(UserWarning, match=r"^the plan compiles 4 modules and the trace took them eager: add compile "
+                                         r"for the figures it was planned with; compile, compile_loss and "
+                                         r"loss_chunks are keywords of trace\(\)$"):
+        eager = fp.simulate(fp.trace(lm.model, lm.example_inputs, lm.loss_fn), plan, "h100:8", timeline=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled = fp.simulate(fp.trace(lm.model, lm.example_inputs, lm.loss_fn, compile=True), plan, "h100:8",
+                               timeline=False)
+    plan.save(tmp_path / "plan.json")
+    assert cli.main(["simulate", "toy-llama", "--plan", str(tmp_path / "plan.json"), "--compile", "--cluster",
+                     "h100:8", "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert compiled.step_time == pytest.approx(said["step_time"]) and compiled.peak_memory == said["peak_memory"]
+    assert compiled.step_time < eager.step_time
+    with pytest.raises(PlannerError, match="leave reuse=True"):
+        fp.trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=False, compile=True)

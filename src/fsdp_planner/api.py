@@ -35,7 +35,7 @@ from fsdp_planner.patching import FAKE_TENSOR_LOGGER, quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.service.job import DEFAULT_CLUSTER, PlanJob
 from fsdp_planner.service.outcome import PlanOutcome
-from fsdp_planner.service.plan_files import checked_on_trace
+from fsdp_planner.service.plan_files import checked_on_trace, traced_otherwise
 from fsdp_planner.service.planning import plan as plan_job
 from fsdp_planner.service.tracing import (
     LayoutDoesNotRun,
@@ -112,11 +112,16 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
                       split_by_default=True)
     said: list[str] = []  # the trace's notes: the API prints none, but warns of a compiled loss it could not give
     outcome = _outcome(job, model, inputs, loss_fn, said.append)
-    for line in dict.fromkeys(n for n in said if n.startswith("--compile-loss:")):  # (planned eager: a trial's
-        # loss reading a value was, without a word)
-        warnings.warn(api_spelling(line), stacklevel=2)
+    _warn_compiled_loss(said)
     assert outcome.plan is not None  # one policy: its plan, or its error
     return outcome.plan
+
+
+def _warn_compiled_loss(said: list[str]) -> None:
+    """The trace's notes of a loss it could not compile, as warnings (planned eager: a trial's loss reading a
+    value was, without a word); the API prints no other note."""
+    for line in dict.fromkeys(n for n in said if n.startswith("--compile-loss:")):
+        warnings.warn(api_spelling(line), stacklevel=3)
 
 
 def _outcome(job: PlanJob, model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -165,20 +170,39 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | str | None = None, opt
     named = checked_cluster(cluster, Spelling.API)
     if named is None and context is None:
         raise PlannerError("simulate needs a cluster: a Cluster, a preset such as 'h100:8' or a cluster JSON path")
-    return simulate_step(trace, _checked_plan(plan, trace), named, options, context=context, timeline=timeline)
+    checked_plan = _checked_plan(plan, trace)
+    for line in traced_otherwise(checked_plan, trace):  # (eager figures of a compiled plan, without a word: a trial)
+        warnings.warn(api_spelling(line).replace("this command traced", "the trace took") +
+                      ("; compile, compile_loss and loss_chunks are keywords of trace()" if ": add " in line else ""),
+                      stacklevel=3)
+    return simulate_step(trace, checked_plan, named, options, context=context, timeline=timeline)
 
 
 @checked
 def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
           precision: Precision | str = DEFAULT_PRECISION, reuse: bool = True,
-          routing: float | None = DEFAULT_CAPACITY, fp32_modules: Sequence[str] = ()) -> Trace:
+          routing: float | None = DEFAULT_CAPACITY, fp32_modules: Sequence[str] = (), *, compile: bool = False,
+          compile_loss: bool = False, loss_chunks: int = 0) -> Trace:
     """One training step of ``model`` traced as FSDP2 runs it under ``precision`` (``sim.tracing.trace``, whose
     docstring says how), on the model's meta twin with its inputs and loss on meta, as ``plan`` traces a module: a
     real model gives its meta twin's figures, the command line's (traced under fake CPU tensors it took CPU kernels'
     choices, and counted its first op's save of the batch as an activation: a trial of the API), and is left
     untouched. A model that cannot be copied, or whose step runs on real tensors only, is traced itself under fake
-    tensors."""
+    tensors. ``compile``, ``compile_loss`` and ``loss_chunks`` trace the step as a plan of ``plan`` with them runs
+    it (its blocks or loss compiled, its loss in chunks), as ``--compile``, ``--compile-loss`` and
+    ``--loss-chunks`` do: ``simulate`` of such a plan on an eager trace gives eager figures, and warns."""
     routing = DEFAULT_CAPACITY if routing is None else routing  # (None: the default, as plan() takes it)
+    if compile or compile_loss or loss_chunks:
+        if not reuse:
+            raise PlannerError("compile, compile_loss and loss_chunks trace the step as plan() does, its repeated "
+                               "blocks replayed: leave reuse=True")
+        spec = ModelSpec(type(model).__name__, routing=routing, fp32_modules=tuple(fp32_modules), compile=compile,
+                         compile_loss=compile_loss, loss_chunks=loss_chunks)
+        said: list[str] = []
+        options = SimOptions(precision=tracing.resolve_precision(precision))
+        tr = _traced_module(model, example_inputs, loss_fn, spec, options, note=said.append)
+        _warn_compiled_loss(said)
+        return tr
     try:
         copy, meta_inputs = _on_meta(model, example_inputs)
     except Exception:  # (a module deepcopy cannot copy: a lock, a handle)
