@@ -215,7 +215,24 @@ def test_cli_ac_op_and_its_policy(capsys):
     assert "│ 4 op │" in out  # the comparison table's AC column
     assert main(["simulate", "toy-llama", "--policy", "titan", "--ac", "full", "--ac-policy", "titan",
                  "--cluster", "h100:8"]) != 0
-    assert "--ac-policy chooses what op-level checkpointing saves: give it with --ac op" in capsys.readouterr().err
+    assert "--ac-policy chooses what op-level checkpointing saves: give it with --ac op, or to the auto policy " \
+        "without --ac (its op-level blocks then save so)" in capsys.readouterr().err
+    assert main(["plan", "toy-llama", "--policy", "titan", "--ac-policy", "titan"]) != 0  # (titan without --ac)
+    assert "give it with --ac op" in capsys.readouterr().err
+
+
+def test_auto_s_own_op_level_choices_save_what_ac_policy_says(capsys):
+    """Auto without --ac chooses each block's checkpointing, op-level among its choices, and --ac-policy was
+    refused there (a trial): it is what auto's op-level blocks save now. GPT-2's blocks save less under the 2024
+    list, so at 2 MiB a rank auto checkpoints both op-level, where under torchtitan's list one runs in full."""
+    chosen = {}
+    for ac_policy in ((), ("--ac-policy", "titan-early")):
+        assert main(["plan", "toy-gpt2-tied", "--policy", "auto", "--cluster", "h100:8", "--memory-budget", "2MiB",
+                     *ac_policy, "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)["plans"][0]["plan"]
+        chosen[ac_policy] = (plan["activation_checkpointing"], plan["selective_checkpointing"])
+    assert chosen[()] == (["h.0"], {"h.1": "titan"})
+    assert chosen[("--ac-policy", "titan-early")] == ([], {"h.0": "titan-early", "h.1": "titan-early"})
 
 
 def test_trace_events_carry_op_classes_for_forward_ops_and_the_loss_s_backward():

@@ -103,7 +103,8 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                          "given is fixed for every plan it tries (offload included); without --ac, auto chooses "
                          "which blocks to checkpoint in full, and offload as a last resort when nothing fits")
     sp.add_argument("--ac-policy", choices=SAC_POLICY_NAMES, default=None,
-                    help=f"with --ac op: the ops whose outputs are kept, the rest recomputed: titan (torchtitan's "
+                    help=f"with --ac op, or auto's own op-level choices (auto without --ac): the ops whose outputs "
+                         f"are kept, the rest recomputed: titan (torchtitan's "
                          f"SelectiveAC of 2026), titan-2025 (its llama3 save list of 2025) or titan-early (its 2024 "
                          f"list); default {DEFAULT_SAC_POLICY.value}")
     sp.add_argument("--early-stop", action=argparse.BooleanOptionalAction, default=None,
