@@ -428,6 +428,23 @@ def test_a_router_modifying_its_saved_topk_refuses_the_policy_that_saves_it(qwen
     assert modified_topk(tr, "model.layers.1.self_attn", SacPolicy.TITAN) is None
 
 
+def test_auto_says_why_it_tries_no_op_level_and_the_list_that_lets_it(qwen3_moe, capsys):
+    """Auto checkpointed the blocks of such a router in full only, and --explain said "of 2 settings simulated"
+    without a word on op-level (a trial): it says why and which list keeps no topk; with that list auto
+    checkpoints op-level (--ac-policy without --ac)."""
+    said = {}
+    for ac_policy in ((), ("--ac-policy", "titan-2025")):
+        assert main(["plan", qwen3_moe, "--policy", "auto", "--cluster", "h100:8", "--memory-budget", "3MiB",
+                     "--explain", *ac_policy]) == 0
+        said[ac_policy] = next(line for line in capsys.readouterr().out.splitlines()
+                               if line.startswith("checkpointing:"))
+    assert said[()].startswith("checkpointing: 1 full of the first blocks") and said[()].endswith(
+        "op-level not tried: a block's router modifies in place the topk outputs the titan save list keeps, which "
+        "torch refuses (--ac-policy titan-2025 keeps none)")
+    assert said[("--ac-policy", "titan-2025")].startswith("checkpointing: 1 op titan-2025 of the first blocks")
+    assert "not tried" not in said[("--ac-policy", "titan-2025")]
+
+
 @pytest.mark.integration
 def test_the_policy_that_saves_no_topk_runs_on_fake_ranks(qwen3_moe):
     from conftest import run_main

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from fsdp_planner.choices import SacPolicy
 from fsdp_planner.fsdp2.checkpointing import modified_topk
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.selective import POLICIES
 from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator
+from fsdp_planner.trace.events import OpClass
 from fsdp_planner.trace.records import Trace
 
 GRID = 5  # counts of full blocks tried first, evenly spaced from 0 to the fewest that fit in full alone
@@ -52,6 +54,7 @@ class Choice:
     tried: dict[Setting, Candidate]  # every setting simulated on the start plan
     full_only: Setting  # the fewest leading blocks in full alone that fit (the plan an expert writes by hand)
     op_only: Setting | None  # the fewest leading blocks op-level alone that fit (None: op-level alone cannot)
+    op_level: bool = True  # whether op-level settings were searched (``op_level_runs``)
 
     def describe(self, plan: Plan) -> str:
         """What ``plan`` checkpoints, the setting chosen on the start plan, and what full alone and op-level alone
@@ -65,6 +68,11 @@ class Choice:
             if s is not None and s != self.setting:
                 step = self.tried[s].report.step_time
                 parts.append(f"{label} ({s.describe(self.policy)}) {step / best.report.step_time - 1:+.1%}")
+        if not self.op_level:  # (said: a trial read "of 2 settings" with no word on why none was op-level)
+            keeps_none = next(p for p in SacPolicy if OpClass.TOPK not in POLICIES[p].saves)
+            parts.append(f"op-level not tried: a block's router modifies in place the topk outputs the "
+                         f"{self.policy.value} save list keeps, which torch refuses (--ac-policy "
+                         f"{keeps_none.value} keeps none)")
         return "; ".join(parts)
 
 
@@ -101,7 +109,7 @@ class CheckpointSearch:
         chosen = self._least_op(best[-1]) if best is not None else None
         if chosen is None or self._key(full_only) <= self._key(chosen):
             chosen = full_only
-        return Choice(chosen, self.policy, self.start.origin, self.tried, full_only, self._least_op(0))
+        return Choice(chosen, self.policy, self.start.origin, self.tried, full_only, self._least_op(0), self.op_level)
 
     def _rank(self, full: int) -> tuple | None:
         """The ranking key of the fastest setting with ``full`` blocks in full (None: none fits); it ends in
