@@ -69,7 +69,7 @@ def test_api_arguments_are_typed_and_bounded_in_one_sentence(kwargs, message):
 
 @pytest.mark.parametrize("given", [{"offload": "false"}, {"micro_batches": 0}, {"batch": 4, "micro_batches": 3},
                                    {"seq": 0}, {"memory_budget": "60GiB", "headroom": "5%"},
-                                   {"ac_policy": "titan"}, {"mfu": 2.0}, {"search_effort": -1}])
+                                   {"ac_policy": "titan", "ac": "full"}, {"mfu": 2.0}, {"search_effort": -1}])
 def test_the_api_and_the_command_line_are_checked_by_one_validator(given):
     """The same values refused with the same sentence, each setting named as its user spells it."""
     errors = []
