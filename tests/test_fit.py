@@ -608,11 +608,22 @@ def test_accelerate_fsdp_yaml_leads_with_the_no_offload_verdict(capsys):
     from pathlib import Path
 
     config = str(Path(__file__).parent / "fixtures" / "accelerate" / "fsdp_2gpu.yaml")
-    job = ["llama3-8b", "--from-accelerate", config, "--cluster", "h100", "--quiet", "--search-effort", "0"]
+    job = ["llama3-8b", "--from-accelerate", config, "--cluster", "h100", "--search-effort", "0"]
     verdict = "nothing fits h100:2 without CPU offload: the fewest H100-SXM-80GB that fit it without: 4 ("
     for command in ("plan", "simulate"):
         assert main([command, *job, "--tp", "1"]) == 0
-        assert capsys.readouterr().out.startswith(verdict)
+        out, err = capsys.readouterr()
+        assert out.startswith(verdict)
+        # the search's notes, one per GPU count tried ("fit: the job on h100:4 ..."), follow the one that says
+        # what they are (a trial read them as a fit nobody asked for)
+        notes = [line for line in err.splitlines() if line.startswith(("note: fit:", "note: auto's plan offloads",
+                                                                      "note: nothing fits"))]
+        said = {"plan": "note: auto's plan offloads to the CPU on h100:2: searching the fewest H100-SXM-80GB that "
+                        "fit it without (auto at each count tried, up to 1,024)",
+                "simulate": "note: nothing fits h100:2 without CPU offload: searching the fewest H100-SXM-80GB that "
+                            "fit it (auto at each count tried, up to 1,024: a large model takes a minute or two)"}
+        assert notes.index(said[command]) < next(i for i, n in enumerate(notes) if "h100:4" in n), notes
+    job.append("--quiet")
     assert main(["plan", *job, "--json"]) == 0
     auto = json.loads(capsys.readouterr().out)
     assert auto["verdict"].startswith(verdict) and auto["plan"].get("offload")  # auto's last resort

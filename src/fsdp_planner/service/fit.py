@@ -422,6 +422,9 @@ def offload_verdict(outcome: PlanOutcome, tracer: Tracer, reporter: Reporter = S
     search, job = outcome.auto, outcome.job
     if search is None or not search.fits or not offloads(search) or job.options.offload or job.cluster is None:
         return None
+    # (the search's "fit: ..." notes, one per GPU count tried, read as a fit nobody asked for: a trial)
+    reporter.note(f"auto's plan offloads to the CPU on {job.cluster.name}: searching the fewest "
+                  f"{job.cluster.gpu.name} that fit it without (auto at each count tried, up to {most:,})")
     fewest = fewest_without_offload(job, tracer, most, reporter, trace=outcome.trace)
     return fewest.line(job.cluster.name, search.report.step_time)
 
