@@ -512,3 +512,5 @@ def test_a_compiled_plan_on_an_eager_trace_warns_and_a_compiled_trace_gives_the_
     assert compiled.step_time < eager.step_time
     with pytest.raises(PlannerError, match="leave reuse=True"):
         fp.trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=False, compile=True)
+    with pytest.raises(PlannerError, match=r"^loss_chunks must be a whole number from 2 to "):  # (the API's name)
+        fp.trace(lm.model, lm.example_inputs, lm.loss_fn, loss_chunks=1)

@@ -112,16 +112,16 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
                       split_by_default=True)
     said: list[str] = []  # the trace's notes: the API prints none, but warns of a compiled loss it could not give
     outcome = _outcome(job, model, inputs, loss_fn, said.append)
-    _warn_compiled_loss(said)
+    _warn_compiled_loss(said, stacklevel=3)
     assert outcome.plan is not None  # one policy: its plan, or its error
     return outcome.plan
 
 
-def _warn_compiled_loss(said: list[str]) -> None:
-    """The trace's notes of a loss it could not compile, as warnings (planned eager: a trial's loss reading a
-    value was, without a word); the API prints no other note."""
+def _warn_compiled_loss(said: list[str], stacklevel: int) -> None:
+    """The trace's notes of a loss it could not compile, as warnings at the caller's line (``stacklevel`` from
+    here) (planned eager: a trial's loss reading a value was, without a word); the API prints no other note."""
     for line in dict.fromkeys(n for n in said if n.startswith("--compile-loss:")):
-        warnings.warn(api_spelling(line), stacklevel=3)
+        warnings.warn(api_spelling(line), stacklevel=stacklevel)
 
 
 def _outcome(job: PlanJob, model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -196,12 +196,16 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
         if not reuse:
             raise PlannerError("compile, compile_loss and loss_chunks trace the step as plan() does, its repeated "
                                "blocks replayed: leave reuse=True")
-        spec = ModelSpec(type(model).__name__, routing=routing, fp32_modules=tuple(fp32_modules), compile=compile,
-                         compile_loss=compile_loss, loss_chunks=loss_chunks)
         said: list[str] = []
-        options = SimOptions(precision=tracing.resolve_precision(precision))
-        tr = _traced_module(model, example_inputs, loss_fn, spec, options, note=said.append)
-        _warn_compiled_loss(said)
+        try:
+            spec = ModelSpec(type(model).__name__, routing=routing, fp32_modules=tuple(fp32_modules),
+                             compile=compile, compile_loss=compile_loss, loss_chunks=loss_chunks)
+            options = SimOptions(precision=tracing.resolve_precision(precision))
+            tr = _traced_module(model, example_inputs, loss_fn, spec, options, note=said.append)
+        except PlannerError as e:  # (in the API's names, as plan()'s)
+            e.args = (api_spelling(str(e)), *e.args[1:])
+            raise
+        _warn_compiled_loss(said, stacklevel=4)  # (the caller's line: trace is wrapped by @checked)
         return tr
     try:
         copy, meta_inputs = _on_meta(model, example_inputs)

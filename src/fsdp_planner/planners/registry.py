@@ -50,7 +50,7 @@ class PolicyRequest:
     search_effort: int | None = None  # auto: plans its refinement may simulate; default ``default_search_effort``
     target: Target = Target.FSDP2  # auto
     checkpointing: ACMode | None = None  # all: activation checkpointing of the blocks; None: none (auto: chosen)
-    sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # all, with checkpointing op: what op-level checkpointing saves
+    sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # what op-level checkpointing saves (--ac op, or auto's choices)
     mesh: Mesh | None = None  # all: the data-parallel layout (HSDP); None: pure FSDP (auto: chosen)
     tp: int | None = None  # all: the tensor-parallel degree (``planners/tensor_parallel.py``'s layout); None: no TP
     # (auto: chosen among ``TP_DEGREES``)

@@ -559,7 +559,8 @@ def _auto(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter, earl
     Its early stop is free too where a torchtitan job's early_stop is torchtitan's wrapper's (not given on the
     command line): the export's parallelize_fn checkpoints as the plan says, except on a job that keeps torchtitan's
     groups (EP on its MoE model), which is planned again with the wrapper's."""
-    free = dataclasses.replace(kw, policy=PolicyName.AUTO.value, ac=None, ac_policy=None, mesh=None, offload=False)
+    free = dataclasses.replace(kw, policy=PolicyName.AUTO.value, ac=None, mesh=None, offload=False)  # (--ac-policy
+    # kept: what auto's op-level blocks save, as fit's auto beside the job takes it)
 
     def search(early_stop: object, to: Reporter = reporter) -> PlanOutcome:
         return plan(dataclasses.replace(plan_job(dataclasses.replace(free, early_stop=early_stop), _CLI),

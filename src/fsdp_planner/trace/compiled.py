@@ -416,6 +416,8 @@ def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict,
     for n, (args, kwargs) in block_arguments(model, example_args, example_kwargs, distinct).items():
         try:
             compiled[n] = _compiled_with_variants(n, modules[n], args, kwargs, variants or {})
+        except BlockNotCompiled:  # (its default variant's: said once, not wrapped again)
+            raise
         except Exception as e:
             raise BlockNotCompiled(n, e) from e
     return {n: compiled[first] for n, first in alike.items() if first in compiled}

@@ -32,14 +32,28 @@ class LazyVariants(Mapping[str, int]):
     def __init__(self, measure: Mapping[str, Callable[[], int]]) -> None:
         self._measure = dict(measure)
         self._measured: dict[str, int] = {}
+        self._failed: dict[str, Exception] = {}  # (raised again: a caller that carries on reads it again)
 
     def __getitem__(self, policy: str) -> int:
+        if policy in self._failed:
+            raise self._failed[policy]
         if policy not in self._measured:
-            self._measured[policy] = self._measure[policy]()
+            try:
+                self._measured[policy] = self._measure[policy]()
+            except Exception as e:
+                self._failed[policy] = e
+                raise
         return self._measured[policy]
+
+    def __reduce__(self) -> tuple:
+        """Pickled as the plain dict of every variant, each measured (a closure does not pickle)."""
+        return dict, (dict(self.items()),)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._measure)
+
+    def __contains__(self, policy: object) -> bool:  # (Mapping's would measure it)
+        return policy in self._measure
 
     def __len__(self) -> int:
         return len(self._measure)

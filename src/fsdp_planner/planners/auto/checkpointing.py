@@ -69,10 +69,10 @@ class Choice:
                 step = self.tried[s].report.step_time
                 parts.append(f"{label} ({s.describe(self.policy)}) {step / best.report.step_time - 1:+.1%}")
         if not self.op_level:  # (said: a trial read "of 2 settings" with no word on why none was op-level)
-            keeps_none = next(p for p in SacPolicy if OpClass.TOPK not in POLICIES[p].saves)
+            keeps_none = next((p for p in SacPolicy if OpClass.TOPK not in POLICIES[p].saves), None)
             parts.append(f"op-level not tried: a block's router modifies in place the topk outputs the "
-                         f"{self.policy.value} save list keeps, which torch refuses (--ac-policy "
-                         f"{keeps_none.value} keeps none)")
+                         f"{self.policy.value} save list keeps, which torch refuses" +
+                         (f" (--ac-policy {keeps_none.value} keeps none)" if keeps_none else ""))
         return "; ".join(parts)
 
 
