@@ -143,7 +143,7 @@ def test_a_classic_policy_and_its_options():
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"policy": "fastest"}, "unknown policy 'fastest'"),
     ({"ac": "half"}, "ac must be one of none, full, op, selective"),
-    ({"ac_policy": "titan"}, "give it with ac='op'"),
+    ({"ac_policy": "titan", "ac": "full"}, "give it with ac='op'"),
     ({"memory_budget": "60GiB", "headroom": 0.1}, "give memory_budget or headroom, not both"),
     ({"micro_batches": 0}, "micro_batches must be from 1 to 1,000,000, got 0"),
     ({"cluster": ""}, "cluster must be a Cluster or a non-empty string"),

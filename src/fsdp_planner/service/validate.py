@@ -224,16 +224,20 @@ def headroom(kw: Keywords, spell: Spelling) -> Headroom | None:
     return parse_headroom(str(kw.headroom), spell.name_of("headroom"))
 
 
-def policy_request(kw: Keywords, name: object, spell: Spelling) -> PolicyRequest:
-    """The request for one policy, with only the settings that policy reads (the others are checked all the same,
-    and the command line notes them as ignored)."""
-    policy = PolicyRequest.named(text(name, "policy", spell)).name
-    # (auto without --ac chooses each block's checkpointing, op-level among its choices: the policy is what those
-    # save; a trial found it refused there)
+def _check_ac_policy(kw: Keywords, policy: PolicyName, spell: Spelling) -> None:
+    """An op-level save list is given where op-level checkpointing runs: ``--ac op``, or auto without ``--ac``,
+    which chooses each block's checkpointing, op-level among its choices (a trial found it refused there)."""
     if kw.ac_policy is not None and kw.ac != ACMode.OP.value and not (policy is PolicyName.AUTO and kw.ac is None):
         raise PlannerError(f"{spell.name_of('ac_policy')} chooses what op-level checkpointing saves: give it with "
                            f"{spell.given('ac', ACMode.OP.value)}, or to the auto policy without "
                            f"{spell.name_of('ac')} (its op-level blocks then save so)")
+
+
+def policy_request(kw: Keywords, name: object, spell: Spelling) -> PolicyRequest:
+    """The request for one policy, with only the settings that policy reads (the others are checked all the same,
+    and the command line notes them as ignored)."""
+    policy = PolicyRequest.named(text(name, "policy", spell)).name
+    _check_ac_policy(kw, policy, spell)
     classes = module_classes(kw.module_classes, spell)
     numel = _count(kw.min_nonwrapped_numel, "min_nonwrapped_numel", spell) \
         if kw.min_nonwrapped_numel is not None else None
