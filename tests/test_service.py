@@ -183,3 +183,18 @@ def test_a_checkpoint_error_from_the_models_own_copy_of_checkpoint_is_one_line(t
     with pytest.raises(PlannerError, match=r"its own copy of torch's checkpoint code, .* --ac full or --ac op") as e:
         trace_spec(f"{path}:build")
     assert "\n" not in str(e.value)
+
+def test_a_built_in_models_trace_is_kept_with_its_notes_and_a_model_file_is_traced_again(tmp_path):
+    """A process keeps a built-in model's trace (its code ships with the package: the API's plan and fit of one
+    model, the suite's commands, trace it once) and says its notes on every call; a model file may change between
+    two calls, so its step is traced again."""
+    first, again = [], []
+    spec = ModelSpec("toy-llama", attention="eager", batch_size=3)
+    tr = trace_spec(spec, note=first.append)
+    assert trace_spec(spec, note=again.append) is tr and again == first and "attention traced as eager" in first[0]
+    assert trace_spec(ModelSpec("toy-llama", attention="eager", batch_size=2)) is not tr
+    model = tmp_path / "net.py"
+    for width in (8, 16):
+        model.write_text("import torch\nimport torch.nn as nn\n\n\ndef build():\n"
+                         f"    return nn.Linear({width}, 4), (torch.randn(2, {width}),)\n")
+        assert sum(p.numel for p in trace_spec(f"{model}:build").params) == width * 4 + 4

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from copy import deepcopy
@@ -40,11 +41,42 @@ from fsdp_planner.trace.records import Trace
 HUB_KERNELS_LOGGER = "transformers.integrations.hub_kernels"
 
 
+# the traces of built-in models a process keeps (the Python API's plan, fit and simulate of one model, a test
+# suite's commands): their code and configs ship with the package, so the same spec traces the same step. A model
+# file's (or a config.json's) may change between two calls, and is traced again each time
+MEMO_SIZE = 8
+_MEMO: OrderedDict[tuple[ModelSpec, Precision | None, bool], tuple[Trace, tuple[str, ...]]] = OrderedDict()
+
+
 def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: bool = False,
                note: Callable[[str], None] = lambda line: None) -> Trace:
     """The step of the model ``spec`` names, traced on meta tensors (``full``: every module call, no replay of
-    repeated blocks); what the trace notes (and which attention kernel it assumed) goes to ``note``."""
+    repeated blocks); what the trace notes (and which attention kernel it assumed) goes to ``note``, on every call:
+    a built-in model's trace is kept (``MEMO_SIZE``), its notes said again."""
     spec = as_spec(spec)
+    key = (spec, precision, full)
+    if not shipped(spec.name):
+        return _traced_spec(spec, precision, full, note)
+    if key in _MEMO:
+        _MEMO.move_to_end(key)
+        tr, said = _MEMO[key]
+        for line in said:
+            note(line)
+        return tr
+    kept: list[str] = []
+    tr = _traced_spec(spec, precision, full, lambda line: (kept.append(line), note(line)))
+    _MEMO[key] = tr, tuple(kept)
+    while len(_MEMO) > MEMO_SIZE:
+        _MEMO.popitem(last=False)
+    return tr
+
+
+def shipped(name: str) -> bool:
+    """A built-in model or a shipped Hugging Face config: code and files that come with the package."""
+    return name in BUILTINS or (hf.is_hf(name) and name.removeprefix(hf.PREFIX) in hf.SHIPPED)
+
+
+def _traced_spec(spec: ModelSpec, precision: Precision | None, full: bool, note: Callable[[str], None]) -> Trace:
     lm = load_model(spec, meta=True)
     loss_fn, loss_inputs = step_loss(lm, spec, note)
     try:
