@@ -186,6 +186,12 @@ def _hf_workload(spec: str) -> dict[str, Any]:
         return {}
 
 
+def shipped(spec: str) -> bool:
+    """A built-in model or a shipped Hugging Face config: code and files that come with the package, the same for
+    the whole of a process (a model file or a config.json of the user's may change)."""
+    return spec in BUILTINS or (hf.is_hf(spec) and spec.removeprefix(hf.PREFIX) in hf.SHIPPED)
+
+
 def planning_only(spec: str) -> bool:
     """A model too large to train on this machine: a built-in marked so, or a config shipped for planning."""
     if spec in BUILTINS:

@@ -24,7 +24,7 @@ from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.linear_attention import FLA_SHARE_OF_FLASH
 from fsdp_planner.mamba_scan import mixers
-from fsdp_planner.models import BUILTINS, LoadedModel, ModelSpec, as_spec, exit_message, hf, load_model
+from fsdp_planner.models import BUILTINS, LoadedModel, ModelSpec, as_spec, exit_message, hf, load_model, shipped
 from fsdp_planner.patching import quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_dependent
 from fsdp_planner.service import tp_numerics
@@ -45,7 +45,7 @@ HUB_KERNELS_LOGGER = "transformers.integrations.hub_kernels"
 # suite's commands): their code and configs ship with the package, so the same spec traces the same step. A model
 # file's (or a config.json's) may change between two calls, and is traced again each time
 MEMO_SIZE = 8
-_MEMO: OrderedDict[tuple[ModelSpec, Precision | None, bool], tuple[Trace, tuple[str, ...]]] = OrderedDict()
+_MEMO: OrderedDict[tuple[ModelSpec, Precision, bool], tuple[Trace, tuple[str, ...]]] = OrderedDict()
 
 
 def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: bool = False,
@@ -53,8 +53,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     """The step of the model ``spec`` names, traced on meta tensors (``full``: every module call, no replay of
     repeated blocks); what the trace notes (and which attention kernel it assumed) goes to ``note``, on every call:
     a built-in model's trace is kept (``MEMO_SIZE``), its notes said again."""
-    spec = as_spec(spec)
-    key = (spec, precision, full)
+    spec, precision = as_spec(spec), precision or SimOptions().precision
+    key = (spec, precision, full)  # (the default precision named: the API's calls and the CLI's share entries)
     if not shipped(spec.name):
         return _traced_spec(spec, precision, full, note)
     if key in _MEMO:
@@ -71,19 +71,14 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     return tr
 
 
-def shipped(name: str) -> bool:
-    """A built-in model or a shipped Hugging Face config: code and files that come with the package."""
-    return name in BUILTINS or (hf.is_hf(name) and name.removeprefix(hf.PREFIX) in hf.SHIPPED)
-
-
-def _traced_spec(spec: ModelSpec, precision: Precision | None, full: bool, note: Callable[[str], None]) -> Trace:
+def _traced_spec(spec: ModelSpec, precision: Precision, full: bool, note: Callable[[str], None]) -> Trace:
     lm = load_model(spec, meta=True)
     loss_fn, loss_inputs = step_loss(lm, spec, note)
     try:
         # transformers says on a CPU that its reference gated DeltaNet convolution is slower than the causal-conv1d
         # package's kernel: a planned step takes the GPU's kernels (``linear_attention.py``)
         with kernel(spec.attention) as attention, consulted() as routed, quiet_loggers(HUB_KERNELS_LOGGER):
-            tr = trace(lm.model, lm.example_inputs, loss_fn, precision=precision or SimOptions().precision,
+            tr = trace(lm.model, lm.example_inputs, loss_fn, precision=precision,
                        reuse=not full, routing=spec.routing or DEFAULT_CAPACITY, fp32_modules=spec.fp32_modules)
     except PlannerError:  # a PrecisionError among them: the model fails in the compute dtype only
         raise
@@ -101,7 +96,7 @@ def _traced_spec(spec: ModelSpec, precision: Precision | None, full: bool, note:
                    if hf.is_hf(spec.name) else ())):
         if line:
             note(line)
-    return as_the_job_runs(tr, lm, spec, loss_inputs, precision or SimOptions().precision, note)
+    return as_the_job_runs(tr, lm, spec, loss_inputs, precision, note)
 
 
 def step_failure(e: BaseException, label: str, full: bool = False) -> PlannerError:
