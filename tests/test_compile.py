@@ -384,25 +384,6 @@ def test_a_compiled_plan_s_out_line_says_to_compile_its_simulation(tmp_path, cap
     assert said.err.count("read a compiled step time, its tokens/s and MFU as optimistic") == 1
 
 
-def test_an_expert_group_inside_a_compiled_block_says_ep_made_it():
-    """`plan --ep 8 --compile` (auto) was refused with "group whole blocks", a grouping the user never chose: EP
-    puts each expert module in a group of its own, inside the block --compile compiles whole."""
-    from fsdp_planner.errors import PlannerError
-    from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
-    from fsdp_planner.fsdp2.plan import Group, Plan
-    from fsdp_planner.fsdp2.validity import check_compiled_groups
-
-    experts = "layers.1.mlp.experts"
-    plan = Plan([Group([experts]), Group(["layers.1"]), Group([""])], "", 0,
-                expert_parallel=ExpertParallel(8, (experts,)))
-    with pytest.raises(PlannerError, match=r"^expert parallelism shards each expert module in a group of its own "
-                                           r"\('layers.1.mlp.experts'\), inside the block 'layers.1' that --compile "
-                                           r"compiles whole, .*: plan EP with the blocks eager \(--compile off; a "
-                                           r"torchtitan job: compile.components without \"model\", .*\), or the "
-                                           r"blocks compiled without EP$"):
-        check_compiled_groups(plan, ["layers.1"])
-
-
 @pytest.mark.integration  # ~40 s: a 48-block MoE model compiled, auto's full search with its TP layouts
 def test_qwen3_moe_compiled_plans_in_seconds_and_auto_takes_a_probe_it_made(capsys):
     """``plan hf:qwen3-30b-a3b --compile --float8 rowwise`` ran past 20 minutes partitioning each of its 48 blocks

@@ -1322,24 +1322,6 @@ def test_an_ep_degree_no_layout_of_the_cluster_takes_is_one_sentence_on_its_rank
         "one of 4, 8, 16" in capsys.readouterr().err
 
 
-def test_auto_under_compile_screens_no_ep_and_ep_asked_for_is_one_sentence(capsys) -> None:
-    """Under ``--compile`` each block is compiled whole, where EP's expert groups cannot run: auto screened EP
-    there anyway, chose it, and refused its own plan ("expert parallelism shards each expert module in a group of
-    its own") on every MoE model (built-in mixtral-8x7b on h100:64 too); now it screens none and says so once, and
-    ``--ep`` with ``--compile`` is refused in one sentence."""
-    from fsdp_planner import cli
-
-    assert cli.main(["plan", TINY, "--policy", "auto", "--cluster", "h100:8", "--compile", "--json"]) == 0
-    out = capsys.readouterr()
-    assert json.loads(out.out)["plans"][0]["plan"].get("expert_parallel") is None
-    assert sum("auto screens no expert parallelism under --compile" in line for line in out.err.splitlines()) == 1
-    assert "auto's EP screen" not in out.err
-    assert cli.main(["plan", TINY, "--policy", "auto", "--cluster", "h100:8", "--compile", "--ep", "2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: expert parallelism's all-to-all dispatch of 'layers.0.moe.experts' would run "
-                              "inside the block") and "blocks eager" in err[-1], err
-
-
 def test_a_dense_model_asked_for_ep_and_tp_is_told_it_has_no_experts() -> None:
     """A dense Llama job with expert_parallel_degree and tensor_parallel_degree was told to give one of the two
     (EP x TP is modelled for torchtitan's MoE layout only); dropping TP then said the model has no experts (a new

@@ -33,6 +33,11 @@ def apply_compile(model: nn.Module, names: Sequence[str]) -> None:
         compilable()
         routing.compilable()
         make_room_for_recompiles([modules[n] for n in names])
+        # as torchtitan's apply_compile sets it: a block under checkpointing whose forward has a Python side effect
+        # (EP's experts swap their DTensor params for the local tensors while they run, ``local_forward``) is
+        # refused by Dynamo unless the side effect is not replayed in the recomputation; the swap is undone after
+        # each call, so nothing needs replaying
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for n in names:
         module = modules[n]
         module.forward = torch.compile(module.forward, fullgraph=True)  # type: ignore[method-assign]

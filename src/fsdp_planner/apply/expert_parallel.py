@@ -21,6 +21,7 @@ after the experts are distributed.
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,12 +34,14 @@ from fsdp_planner.fsdp2.expert_groups import alone_refusal, check_no_prefetch
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.models import ModelSpec, hf, load_model
 from fsdp_planner.models.hf_experts import (
+    COMPILED_EP,
     NO_EP_TP,
     check_runs_ep,
     distribute_experts,
     is_transformers_module,
     one_rank_mesh,
 )
+from fsdp_planner.trace.tree import is_within
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: Any, split: int = 1) -> tuple:
@@ -162,24 +165,29 @@ def _expert_placement(module: nn.Module, name: str, plan: Plan) -> Any:
     return (lambda param: Shard(dims[id(param)]) if id(param) in dims else None) if dims else None
 
 
-def check_experts_run(modules: dict[str, nn.Module], experts: list[str], degree: int, tp_degree: int) -> None:
+def check_experts_run(modules: dict[str, nn.Module], experts: list[str], degree: int, tp_degree: int,
+                      compiled: Sequence[str] = ()) -> None:
     """Refuse EP of experts apply does not run, before any module is changed: transformers' experts layers with
-    TP (``NO_EP_TP``) or that transformers' EP does not run (``check_runs_ep``)."""
+    TP (``NO_EP_TP``), inside ``compiled`` modules (``COMPILED_EP``) or that transformers' EP does not run
+    (``check_runs_ep``)."""
     own = [name for name in experts if is_transformers_module(modules[name])]
     if own and tp_degree > 1:
         raise PlannerError(f"{own[0]} ({type(modules[own[0]]).__name__}): {NO_EP_TP}; plan it without --ep "
                            "or without --tp")
+    if inside := [name for name in own if any(is_within(name, c) and name != c for c in compiled)]:
+        raise PlannerError(f"{inside[0]} ({type(modules[inside[0]]).__name__}): {COMPILED_EP}")
     for name in own:
         check_runs_ep(name, modules[name], degree)
 
 
 def check_model_runs_ep(model: ModelSpec, plan: Plan, modules: dict[str, nn.Module] | None = None) -> None:
     """``check_experts_run`` before anything runs (verify's ranks, an export), on an ``hf:`` model built on meta
-    (``modules``: its modules, where the caller built it): only transformers' experts can be ones its EP does not
-    run."""
+    (``modules``: its modules, where the caller built it), its blocks compiled as the plan compiles them: only
+    transformers' experts can be ones its EP does not run."""
     if plan.expert_parallel is not None and hf.is_hf(model.name):
         modules = modules if modules is not None else dict(load_model(model).model.named_modules())
-        check_experts_run(modules, plan.expert_parallel.experts(modules), plan.ep_degree, plan.tp_degree)
+        check_experts_run(modules, plan.expert_parallel.experts(modules), plan.ep_degree, plan.tp_degree,
+                          plan.compiled)
 
 
 def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None,

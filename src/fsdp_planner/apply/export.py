@@ -632,6 +632,11 @@ RECOMPILE_ROOM = (
     "    dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * max(codes.count(c) for c in codes))\n"
     "    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 2 * len(COMPILED))\n"
 )
+# (as apply_compile sets it, and torchtitan's: EP's local_forward swaps the experts' params inside a checkpointed block)
+EP_SIDE_EFFECT = (
+    "    # EP's experts swap their DTensor params for local tensors while they run: dynamo refuses that side\n"
+    "    # effect under a checkpoint unless it is not replayed in the recomputation (undone after each call)\n"
+    "    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True\n")
 TP_SPLIT = """    mesh, tp_mesh = split_mesh(mesh)  # TP: parallelize_module over tp first, then FSDP over the dp dims
     tensor_parallel(model, tp_mesh)
 """
@@ -1181,7 +1186,8 @@ def _with_step_options(plan: Plan, constants: str, body: str, tails: str) -> tup
         tails += FP32_TAIL
     if plan.compiled:
         assert COMPILE_LINE in body
-        body = body.replace(COMPILE_LINE, RECOMPILE_ROOM + COMPILE_LINE)
+        room = RECOMPILE_ROOM + (EP_SIDE_EFFECT if plan.expert_parallel is not None and plan.checkpoints else "")
+        body = body.replace(COMPILE_LINE, room + COMPILE_LINE)
     return constants, body, tails
 
 

@@ -95,7 +95,8 @@ def _check_modules(model: nn.Module, plan: Plan) -> None:
     check_forward_methods(plan, model)
     check_moe_styles(plan.tensor_parallel, modules, plan.expert_parallel is not None)
     if plan.expert_parallel is not None:
-        check_experts_run(modules, plan.expert_parallel.experts(modules), plan.ep_degree, plan.tp_degree)
+        check_experts_run(modules, plan.expert_parallel.experts(modules), plan.ep_degree, plan.tp_degree,
+                          plan.compiled)
     check_int_reshard_on_dim0(plan)
 
 

@@ -30,7 +30,11 @@ def run(args: argparse.Namespace) -> int:
     if modules is None:
         render.note(f"the plan's model {plan.model or '(none named)'} is not built here (a plan file's Python "
                     "factory is not run): the code checks the module names it needs when it runs")
-    check_model_runs_ep(as_spec(plan.model), plan, modules)  # transformers' experts its EP does not run: refused
+    # transformers' experts its EP does not run: refused (a torchtitan job runs torchtitan's MoE modules, which
+    # compile with EP)
+    fmt = ExportFormat(args.format)
+    check_model_runs_ep(as_spec(plan.model), plan.replace(compiled=()) if fmt is ExportFormat.TORCHTITAN else plan,
+                        modules)
     traced = check_on_model(plan, args.plan) if modules is not None else None
     loss_head = _output_layer(plan, traced, args.format)
     precision = _precision(args.precision, plan)
@@ -38,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
         render.note(f"the plan's model file {plan.model.rpartition(':')[0]} is not found from here: the code names "
                     "it as the plan does (export from the directory the plan was made in for a path relative to "
                     "the code)")
-    fmt = ExportFormat(args.format)
     if fmt is ExportFormat.TORCHTITAN:  # its job file runs one setting for every block
         for said in unexpressed(plan, precision_named(precision), modules):
             render.note(said)

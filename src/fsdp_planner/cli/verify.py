@@ -24,7 +24,7 @@ from fsdp_planner.fsdp2.pitfalls import routing_skip_findings
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.models import ModelSpec, load_model
-from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS
+from fsdp_planner.models.hf_experts import COMPILED_EP, NO_EP_TP, OTHER_EXPERTS
 from fsdp_planner.planners.expert_parallel import DATA_SIZED_EXPERTS, check_dispatch_runs
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, check_model_dtypes, run_verify
@@ -296,7 +296,7 @@ def _tp_label(plan: Plan, world: int) -> str:
 def _note_what_runs(note: str) -> None:
     """A planning note, less the ones saying EP of these experts is only simulated: a job refuses them next
     (``check_model_runs_ep``) in the same words."""
-    if note not in (NO_EP_TP, OTHER_EXPERTS, DATA_SIZED_EXPERTS):
+    if note not in (NO_EP_TP, OTHER_EXPERTS, DATA_SIZED_EXPERTS, COMPILED_EP):
         render.note(note)
 
 
@@ -327,10 +327,10 @@ def run_fake(request: FakeWorldRequest) -> int:
     if (model := _judged(request.model, source, plan)) is not request.model:
         tr = load_trace(model, full=request.full_trace, precision=options.precision)
     plan = stamped(plan, tr, world, options)
-    check_model_runs_ep(model, plan)
     if tr.compiled or plan.compiled or model.compile_loss:
         model, plan = _eager(model, plan, len(plan.compiled or tr.compiled))
         tr = load_trace(model, full=request.full_trace, precision=options.precision)
+    check_model_runs_ep(model, plan)  # (of the blocks the fake ranks run: eager)
     if (slow := slow_note(len(tr.params), world)) is not None:
         render.note(slow)
     if not request.json:

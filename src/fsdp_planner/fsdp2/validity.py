@@ -170,35 +170,36 @@ def _modules_inside(modules: Collection[str], compiled: Collection[str]) -> Iter
     return ((m, b) for m in modules for b in proper_ancestors(m) if b in blocks) if blocks else iter(())
 
 
-def ep_in_compiled_block(module: str, block: str) -> str:
-    """Why the planner plans no EP with ``--compile``'s whole blocks: EP's dispatch would run inside the compiled
-    graph, which is not modelled (what AOTAutograd saves and inductor fuses is measured on the model without EP)."""
-    return (f"expert parallelism's all-to-all dispatch of '{module}' would run inside the block '{block}' that "
-            "--compile compiles whole, which the simulator does not model")
+def own_calls_in_compiled_block(module: str, block: str) -> str:
+    """Why the experts cannot be ``fully_shard``-ed in calls of their own under ``--compile``'s whole blocks:
+    FSDP2's hooks on them would run inside the block's compiled graph. Sharded in their blocks' calls (a per-param
+    mesh, torchtitan's layout) they have no hooks of their own, and EP's all-to-alls are traced into the graph."""
+    return (f"the experts module '{module}' sharded in a fully_shard call of its own lies inside the block "
+            f"'{block}' that --compile compiles whole, where FSDP2's hooks cannot run (Dynamo refuses them): shard "
+            "the experts in their blocks' calls (--ep-placement blocks, torchtitan's layout) or plan the blocks eager")
 
 
-# the way out of ``ep_in_compiled_block``, for a command line or a torchtitan job alike
-EP_COMPILED_FIX = ("plan EP with the blocks eager (--compile off; a torchtitan job: compile.components without "
-                   "\"model\", as its DeepSeek-V3 jobs with EP run), or the blocks compiled without EP")
+# what a compiled block with EP is measured with: the routing stand-in's balanced routing
+SKEW_COMPILED = ("an EP skew with compiled blocks is not modelled: what a compiled block saves is measured with "
+                 "balanced routing (the busiest rank's extra rows are not in its graph); plan the skew with the blocks "
+                 "eager, or without the skew")
 
 
 def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
     """Refuse a group listing a module inside a block compiled whole (``inside_compiled``): FSDP2's hooks on it
-    would run inside the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped")."""
+    would run inside the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped").
+    Experts sharded in their blocks' calls (a per-param mesh) run there, EP's dispatch traced into the graph as
+    torchtitan compiles its MoE blocks; under a skew, refused (``SKEW_COMPILED``)."""
     ep = plan.expert_parallel
-    if ep is not None and ep.per_param_mesh:  # no hooks of their own, but EP's dispatch inside the graph
-        # (sharded in their blocks' calls, the experts are no group's modules: the plan names them in its EP)
+    if ep is not None and ep.skew != 1.0:  # (the experts by name: the plan's groups list them, its EP by pattern)
         experts = [*ep.modules, *(m for g in plan.groups for m in g.modules if any(matches(p, m) for p in ep.modules))]
-        inside_ep = next(_modules_inside(experts, compiled), None)
-        if inside_ep is not None:
-            raise PlannerError(f"{ep_in_compiled_block(*inside_ep)}: {EP_COMPILED_FIX}")
+        if next(_modules_inside(experts, compiled), None) is not None:
+            raise PlannerError(SKEW_COMPILED)
     inside = inside_compiled(plan, compiled)
     if inside is not None:
         i, module, block = inside
         if ep is not None and any(matches(p, module) for p in ep.modules):  # a grouping EP makes, not the user
-            raise PlannerError(f"expert parallelism shards each expert module in a group of its own ('{module}'), "
-                               f"inside the block '{block}' that --compile compiles whole, where FSDP2's hooks "
-                               f"cannot run (Dynamo refuses them): {EP_COMPILED_FIX}")
+            raise PlannerError(own_calls_in_compiled_block(module, block))
         raise PlannerError(f"group {i} lists '{module}', inside the block '{block}' that --compile compiles whole: "
                            "FSDP2's hooks cannot run inside a compiled graph (Dynamo refuses them); group whole "
                            "blocks, plan without --compile, or keep such a module in an fp32 group of its block "

@@ -17,10 +17,10 @@ from fsdp_planner.fsdp2.checkpointing import modified_topk
 from fsdp_planner.fsdp2.expert_groups import param_group_hosts, with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
-from fsdp_planner.fsdp2.validity import EP_COMPILED_FIX, ep_in_compiled_block
+from fsdp_planner.fsdp2.validity import SKEW_COMPILED, own_calls_in_compiled_block
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf
-from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS, UNPRICED_EP
+from fsdp_planner.models.hf_experts import COMPILED_EP, NO_EP_TP, OTHER_EXPERTS, UNPRICED_EP
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.blocks import block_instances
@@ -38,7 +38,8 @@ EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts la
 
 def ep_refusal(model: ModelSpec, trace: Trace, tp_degree: int) -> str | None:
     """Why apply, export and verify do not run expert parallelism on the model's experts at TP ``tp_degree``
-    (simulated only), None where they do: transformers' (``hf:`` models) with TP (``NO_EP_TP``), experts layers
+    (simulated only), None where they do: transformers' (``hf:`` models) with TP (``NO_EP_TP``) or inside compiled
+    blocks (``COMPILED_EP``), experts layers
     other than its standard ones (``OTHER_EXPERTS``), or other experts whose rows are sized from data
     (``DATA_SIZED_EXPERTS``)."""
     if (said := token_list_experts(trace)) is not None:  # (any model's: EP cannot be applied to them at all)
@@ -47,6 +48,8 @@ def ep_refusal(model: ModelSpec, trace: Trace, tp_degree: int) -> str | None:
         return DATA_SIZED_EXPERTS if data_sized_experts(trace) else None
     if tp_degree > 1:
         return NO_EP_TP
+    if compiled_experts(trace) is not None:
+        return COMPILED_EP
     classes = tuple(sorted({trace.modules[m].cls for m in expert_modules(trace)}))
     source = model.name.removeprefix(hf.PREFIX)
     return None if hf.standard_experts(source, model.hf_config, classes) else OTHER_EXPERTS
@@ -136,10 +139,10 @@ def runs_ep(model: ModelSpec, trace: Trace, tp_degree: int) -> bool:
 
 
 def compiled_experts(trace: Trace) -> tuple[str, str] | None:
-    """The first expert module inside a block ``--compile`` compiles whole, and that block (None: none is). EP
-    gives each expert module an FSDP group of its own, whose hooks cannot run inside a compiled graph
-    (``check_compiled_groups``); torchtitan's DeepSeek-V3 jobs that run EP compile the loss only (its
-    config_registry, 2026)."""
+    """The first expert module inside a block ``--compile`` compiles whole, and that block (None: none is). EP runs
+    there with the experts sharded in their blocks' calls only (a per-param mesh: no hooks of their own, EP's
+    all-to-alls traced into the block's graph, as torchtitan's ``apply_compile`` compiles its MoE blocks whole with
+    EP); in calls of their own FSDP2's hooks would run inside the graph (``own_calls_in_compiled_block``)."""
     blocks = set(trace.compiled)
     return next(((m, b) for m in expert_modules(trace) for b in proper_ancestors(m) if b in blocks), None) \
         if blocks else None
@@ -209,8 +212,14 @@ def screen_placement(policy: AutoPolicy) -> ShardPlacement | None:
     return ShardPlacement.AUTO
 
 
-def per_param_meshes(placement: ExpertPlacement | None) -> tuple[bool, ...]:
-    """The ``per_param_mesh`` values an EP screen tries: the user's ``placement`` (``--ep-placement``), else both."""
+def per_param_meshes(placement: ExpertPlacement | None, trace: Trace) -> tuple[bool, ...]:
+    """The ``per_param_mesh`` values an EP screen tries: the user's ``placement`` (``--ep-placement``), else both;
+    experts inside compiled blocks in their blocks' calls only (``compiled_experts``)."""
+    compiled = compiled_experts(trace)
+    if compiled is not None and placement is ExpertPlacement.OWN:
+        raise PlannerError(own_calls_in_compiled_block(*compiled))
+    if compiled is not None:
+        return (True,)
     if placement is None:
         return BOTH_PLACEMENTS
     return (placement is ExpertPlacement.BLOCKS,)
@@ -228,8 +237,10 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
     experts = expert_modules(trace)
     if not experts:
         raise PlannerError(no_experts(trace))
-    if (compiled := compiled_experts(trace)) is not None:
-        raise PlannerError(f"{ep_in_compiled_block(*compiled)}: {EP_COMPILED_FIX}")
+    if (compiled := compiled_experts(trace)) is not None and not per_param_mesh:
+        raise PlannerError(own_calls_in_compiled_block(*compiled))
+    if compiled is not None and skew != 1.0:
+        raise PlannerError(SKEW_COMPILED)
     check_ep_applies(trace)
     tp = plan.tp_degree
     if tp > 1 and degree % tp:
@@ -608,13 +619,8 @@ def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str
     on its plan without TP (``with_auto_ep``); where the search took TP (the experts tensor-parallel, torchtitan's
     MoE layout without EP), on the best plan of the same search without TP too, and the faster within the budget
     kept (else the one holding least): EP without TP is not given up for TP's experts without a look."""
-    if (compiled := compiled_experts(trace)) is not None:  # none runs: said once, nothing screened
-        if note is not None:
-            note(f"auto screens no expert parallelism under --compile: {ep_in_compiled_block(*compiled)}; plan "
-                 "without --compile to screen it")
-        return result
     if result.plan.tp_degree == 1:
-        return with_auto_ep(result, trace, cluster, options, (), note, per_param_meshes(policy.ep_placement),
+        return with_auto_ep(result, trace, cluster, options, (), note, per_param_meshes(policy.ep_placement, trace),
                             screen_placement(policy))
     if len(policy.tensor_parallel) <= 1 or policy.mesh is not None:  # a TP layout or mesh the user fixed: as asked
         return result
@@ -623,7 +629,7 @@ def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str
     # plans and seconds are counted in ``result``'s already)
     done = result.searched_without_tp(flat_policy, trace)
     searched = replace(done, evaluated=0, seconds=0.0) if done is not None else flat_policy.search(trace, model)
-    flat = with_auto_ep(searched, trace, cluster, options, (), note, per_param_meshes(policy.ep_placement),
+    flat = with_auto_ep(searched, trace, cluster, options, (), note, per_param_meshes(policy.ep_placement, trace),
                         screen_placement(policy))
     return faster(result, flat)
 
@@ -667,7 +673,7 @@ def ep_tp_degrees(trace: Trace, model: ModelSpec, cluster: Cluster, tp: int | No
     with the EP degrees ``--tp N --ep M`` takes (multiples of it that divide the experts, their EP / TP ranks the
     data-parallel ones: ``ep``, the user's, alone; a degree auto takes itself checked against the heads,
     ``Layout.checked``). {} for another model, or where none is left."""
-    if not is_titan_moe(trace) or compiled_experts(trace) is not None:  # (EP does not run in compiled blocks)
+    if not is_titan_moe(trace):
         return {}
     n = expert_count(trace, expert_modules(trace))
     out = {}
@@ -753,7 +759,7 @@ def screen_ep_tp(layout: ScreenedLayout, degrees: tuple[int, ...], options: SimO
     cluster, fits = layout.policy.cluster, layout.ev.memory.fits
     found = ep_options(layout.trace, plan, cluster, plan_options(plan, options), degrees=degrees, views=views,
                        without=False, placement=placement,
-                       per_param=per_param_meshes(layout.policy.ep_placement))
+                       per_param=per_param_meshes(layout.policy.ep_placement, layout.trace))
     blocks = block_instances(layout.trace) if layout.policy.checkpointing is None else []
     found = [_checkpointed_to_fit(o, views[o.plan.expert_parallel.signature()], blocks, cluster, options, fits)
              for o in found]

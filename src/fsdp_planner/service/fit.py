@@ -271,8 +271,9 @@ class Points:
                                "there (the figures shown are auto's without EP)")
             out = dataclasses.replace(result, fits=False)
         else:
-            out = with_auto_ep(result, self._trace(key), cluster, self.job.options, (ep,),
-                               per_param=per_param_meshes(policy.ep_placement), placement=screen_placement(policy))
+            tr = self._trace(key)
+            out = with_auto_ep(result, tr, cluster, self.job.options, (ep,),
+                               per_param=per_param_meshes(policy.ep_placement, tr), placement=screen_placement(policy))
         self._before_ep[id(out)] = (out, result)  # (out kept alive: its id stays its own)
         return out
 

@@ -32,6 +32,7 @@ from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.auto.split import DEFAULT_SPLITS, MAX_SPLITS, choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.expert_parallel import (
+    compiled_experts,
     ep_note,
     ep_tp_degrees,
     expert_modules,
@@ -319,7 +320,7 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         def screened(found: AutoResult, note: Callable[[str], None] | None) -> AutoResult:
             if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
                 return with_auto_ep(found, tr, cluster, options, (ep,),
-                                    per_param=per_param_meshes(request.ep_placement),
+                                    per_param=per_param_meshes(request.ep_placement, tr),
                                     placement=screen_placement(policy))
             if own and (runs_ep(spec, tr, 1) or not found.fits):
                 # auto's own EP screen (no TP); of experts EP is simulated for only (``runs_ep``), where nothing fits
@@ -371,7 +372,7 @@ def with_ep_at_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: M
         policy = make_policy(request, cluster, options, layouts)
         assert isinstance(policy, AutoPolicy)
         found = with_auto_ep(policy.search(tr, spec.name), tr, cluster, options, degrees, reporter.note,
-                             per_param_meshes(request.ep_placement), screen_placement(policy))
+                             per_param_meshes(request.ep_placement, tr), screen_placement(policy))
     return faster(result, found)
 
 
@@ -417,7 +418,7 @@ def with_ep_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: Mode
     with reporter.progress(f"auto: searching plans for {cluster.name} with {choice.tp.describe()}"):
         searched = _full_search(best.layout, spec.name)
         found = with_auto_ep(searched, choice.trace, cluster, options, ep_tp[choice.tp.degree],
-                             per_param=per_param_meshes(request.ep_placement),
+                             per_param=per_param_meshes(request.ep_placement, choice.trace),
                              placement=screen_placement(best.layout.policy))
     found = best.faster(found, searched.plan.policy)
     for name, c in found.meshes.items():  # its EP screen's lines, of its searched groups, where faster
@@ -747,7 +748,13 @@ def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, mo
                                     placement=expert_placement(plan, request), per_param_mesh=per_param_mesh)
 
     out = made(request.ep_placement is not ExpertPlacement.OWN)
-    if request.ep_placement is None and (held := root_held_experts(out, tr)):
+    held = root_held_experts(out, tr) if request.ep_placement is None else []
+    if held and compiled_experts(tr) is not None:  # (calls of their own cannot run inside compiled blocks)
+        reporter.note(f"{plan.policy} wraps no module above the experts ({short_list(held, 2)}), so the root's "
+                      "fully_shard call shards them and keeps them gathered through the step (under --compile they "
+                      "cannot be sharded in calls of their own, inside the compiled blocks): a policy grouping the "
+                      "blocks (titan) shards them in the blocks' calls")
+    elif held:
         # a policy that wraps no block (size) leaves the experts to the root's call, which keeps them gathered all
         # step (Mixtral's 32 under size: 11 GiB a rank): each sharded in a call of its own instead
         reporter.note(f"{plan.policy} wraps no module above the experts ({short_list(held, 2)}), so their blocks' "

@@ -51,7 +51,7 @@ import numpy as np
 from fsdp_planner.choices import Offloaded, SacPolicy
 from fsdp_planner.fsdp2.checkpointing import backward_calls, early_stop, own_calls, own_regions, recomputed_at
 from fsdp_planner.fsdp2.selective import saved_flags
-from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.events import KERNEL_EP_ALL_TO_ALL, EventKind
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import innermost_call, is_within
 
@@ -191,8 +191,24 @@ def compiled_under_sac(trace: Trace, checkpointed: Sequence[CheckpointedCall]) -
     for c in checkpointed:
         block = trace.compiled.get(c.module)
         if c.policy is not None and block is not None and c.policy.value in block.variants:
-            out[c.module] = block.variants[c.policy.value]
+            out[c.module] = block.variants[c.policy.value] + _kept_all_to_alls(trace, c)
     return out
+
+
+def _kept_all_to_alls(trace: Trace, c: CheckpointedCall) -> int:
+    """The rows EP's dispatch delivered to an EP view's compiled call (``sim/expert_parallel.py``), where its policy
+    keeps all-to-all outputs (torchtitan's saves ``all_to_all_single``): the variant was measured on the block
+    without EP, whose experts read rows gathered from the block's input (recomputed); under EP the partitioner keeps
+    the dispatch's output, which the experts' backward reads. The combine's output takes the place of the experts'
+    output that the policy keeps already (measured on a tiny Mixtral compiled by inductor under EP 2: the dispatch's
+    rows more, the combine's not; ``tests/test_compile_ep.py``). Each expert call's first all-to-all is its
+    dispatch."""
+    events = trace.events
+    dispatched: dict[str, int] = {}
+    for k in c.kept:
+        if events[k].kernel == KERNEL_EP_ALL_TO_ALL:
+            dispatched.setdefault(events[k].module, events[k].out_nbytes)
+    return sum(dispatched.values())
 
 
 def loss_region_deltas(trace: Trace, scale: float) -> np.ndarray:
