@@ -129,9 +129,11 @@ def _patches(source: str) -> list[int]:
 # device, transformers' packed-sequence check answering meta and fake tensors (real ones asked as before), a
 # forked rank's temp directory put back as a fresh interpreter has it, a launcher forked by the zygote made what
 # a fresh one is (its stdout and stderr, temp directory and argv), and a plan's async TP switched on for the
-# training process that applies it to CUDA ranks (inductor's ``_micro_pipeline_tp``, as torchtitan sets it).
+# training process that applies it to CUDA ranks (inductor's ``_micro_pipeline_tp``, as torchtitan sets it), and
+# dynamo's leave to skip replaying a checkpointed block's forward side effects for the process that compiles a plan's
+# blocks (``skip_fwd_side_effects_in_bwd_under_checkpoint``, as torchtitan's ``apply_compile`` sets it).
 PERMANENT = {"cli/__init__.py": 2, "models/hf.py": 1, "runtime/launch.py": 1, "runtime/zygote.py": 3,
-             "apply/tensor_parallel.py": 1}
+             "apply/tensor_parallel.py": 1, "apply/compile.py": 1}
 
 
 def test_libraries_are_patched_only_through_patched() -> None:

@@ -11,7 +11,8 @@ what AOTAutograd's partitioner chose (what the planner measured, ``trace/compile
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -40,7 +41,22 @@ def apply_compile(model: nn.Module, names: Sequence[str]) -> None:
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for n in names:
         module = modules[n]
-        module.forward = torch.compile(module.forward, fullgraph=True)  # type: ignore[method-assign]
+        module.forward = waited_inputs(torch.compile(module.forward, fullgraph=True))  # type: ignore[method-assign]
+
+
+def waited_inputs(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` given a copy of each positional tensor that is a view of a functional collective's pending
+    output (``AsyncCollectiveTensor``): under TP the embedding's sequence-sharded output reaches the first compiled
+    block so (RowwiseParallel's reduce-scatter, ``to_local``), and a compiled graph given that view as its input
+    returned no gradient to it on torch 2.13 (the embedding trained on zeros beside a correct loss: verify's
+    parity, 2.5e-3 off after one step) or failed in DTensor's backward; a copy of it trains as eager does."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return forward(*(a.clone() if isinstance(a, torch.Tensor) and isinstance(a._base, AsyncCollectiveTensor)
+                         else a for a in args), **kwargs)
+
+    return run
 
 
 # each compiled forward may need a second graph: automatic dynamic shapes recompile once for a new batch size

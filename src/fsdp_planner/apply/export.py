@@ -29,6 +29,7 @@ import torch
 
 import fsdp_planner.apply.torchtitan_parallelize as titan
 from fsdp_planner.apply.chunked_loss import CHUNKED_LOSS_FUNCTIONS
+from fsdp_planner.apply.compile import waited_inputs
 from fsdp_planner.apply.expert_parallel import expert_reduction, local_forward
 from fsdp_planner.apply.fully_shard import module_parents
 from fsdp_planner.apply.torchtitan_job import torchtitan_job
@@ -622,6 +623,7 @@ def float8_constants(f8: Float8) -> str:
 TP_APPLY_LINE = MESH_LINE
 COMPILE_LINE = ("    for name in COMPILED:  # then torch.compile, each module on its own, as torchtitan compiles its "
                 "blocks\n")
+COMPILE_ASSIGN = "        modules[name].forward = torch.compile(modules[name].forward, fullgraph=True)\n"
 # (written where the plan compiles: blocks of one class whose params differ in shape need a graph each)
 RECOMPILE_ROOM = (
     "    # blocks of one class with params of other shapes each need a graph of their own in dynamo's cache of their\n"
@@ -1184,6 +1186,11 @@ def _with_step_options(plan: Plan, constants: str, body: str, tails: str) -> tup
         constants += f"FP32_GROUPS: list[int] = {py_literal(fp32)}  # groups computing in fp32 (full_precision)\n"
         body = body.replace(GROUP_SHARD, FP32_GROUP_SHARD)
         tails += FP32_TAIL
+    if plan.compiled and plan.tensor_parallel is not None:  # (the TP embedding's output reaches a compiled block)
+        assert COMPILE_ASSIGN in body
+        body = body.replace(COMPILE_ASSIGN, COMPILE_ASSIGN.replace("= torch.compile(", "= waited_inputs(torch.compile(")
+                            .replace("fullgraph=True)", "fullgraph=True))"))
+        tails += "\n\n" + inspect.getsource(waited_inputs)
     if plan.compiled:
         assert COMPILE_LINE in body
         room = RECOMPILE_ROOM + (EP_SIDE_EFFECT if plan.expert_parallel is not None and plan.checkpoints else "")

@@ -15,7 +15,9 @@ from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.cli.paths import export_files
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.validity import check_compiled_groups
 from fsdp_planner.models import ModelSpec, as_spec, hf
+from fsdp_planner.planners.config_edit import keeps_torchtitan_groups
 from fsdp_planner.service.plan_files import checked_modules, checked_on_model
 from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.options import precision_named
@@ -26,15 +28,16 @@ from fsdp_planner.userfiles import stamped, write_atomic
 
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
+    check_compiled_groups(plan, plan.compiled)  # (the blocks the code compiles: no FSDP2 hooks inside them)
     modules = checked_modules(plan)  # the model built once, on meta
     if modules is None:
         render.note(f"the plan's model {plan.model or '(none named)'} is not built here (a plan file's Python "
                     "factory is not run): the code checks the module names it needs when it runs")
-    # transformers' experts its EP does not run: refused (a torchtitan job runs torchtitan's MoE modules, which
-    # compile with EP)
+    # transformers' experts its EP does not run: refused (a torchtitan job of torchtitan's own MoE model keeps
+    # torchtitan's parallelize_fn and modules, which compile with EP)
     fmt = ExportFormat(args.format)
-    check_model_runs_ep(as_spec(plan.model), plan.replace(compiled=()) if fmt is ExportFormat.TORCHTITAN else plan,
-                        modules)
+    own_modules = fmt is ExportFormat.TORCHTITAN and keeps_torchtitan_groups(plan)
+    check_model_runs_ep(as_spec(plan.model), plan.replace(compiled=()) if own_modules else plan, modules)
     traced = check_on_model(plan, args.plan) if modules is not None else None
     loss_head = _output_layer(plan, traced, args.format)
     precision = _precision(args.precision, plan)

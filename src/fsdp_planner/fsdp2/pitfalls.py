@@ -33,7 +33,7 @@ from fsdp_planner.fsdp2.plan import Plan, check_plan_layout, check_reshard_sizes
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.tensor_parallel import local_param, param_style
-from fsdp_planner.fsdp2.validity import sharded_reads
+from fsdp_planner.fsdp2.validity import compiled_groups_refusal, sharded_reads
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.infos import ParamInfo
 from fsdp_planner.trace.records import Trace
@@ -57,6 +57,7 @@ class Code(Enum):
     MIXED_DTYPE_GROUP = "mixed-dtype-group"
     MIXED_DTYPE_MODULE = "mixed-dtype-module"
     CONTAINER_GROUP = "container-group"
+    COMPILED_GROUP = "compiled-group"  # FSDP2's hooks (a group's, experts' own calls) inside a module compiled whole
     RESHARD_AFTER_FORWARD = "reshard-after-forward"
     FSDP1_MIXED_UNIT = "fsdp1-mixed-unit"
     UNUSED_PARAMS = "unused-params"
@@ -238,6 +239,9 @@ def _structure_findings(trace: Trace, plan: Plan, world_size: int | None) -> lis
                                    f"group {i} ({fmt_modules(g.modules)}) lists {_path(m)}, a {modules[m].cls} "
                                    "without forward: fully_shard "
                                    f"refuses it", "list its children in the group instead", m))
+    if (refused := compiled_groups_refusal(plan, {*trace.compiled, *plan.compiled})) is not None:
+        problem, fix, module = refused
+        out.append(Finding(Severity.ERROR, Code.COMPILED_GROUP, problem, fix, module))
     if all(m in modules for g in plan.groups for m in g.modules):
         group_of = {m: i for i, g in enumerate(plan.groups) for m in g.modules if m != ROOT}
         for p in (trace.params[i] for i in trace.index.tied_params):

@@ -171,39 +171,58 @@ def _modules_inside(modules: Collection[str], compiled: Collection[str]) -> Iter
 
 
 def own_calls_in_compiled_block(module: str, block: str) -> str:
-    """Why the experts cannot be ``fully_shard``-ed in calls of their own under ``--compile``'s whole blocks:
-    FSDP2's hooks on them would run inside the block's compiled graph. Sharded in their blocks' calls (a per-param
-    mesh, torchtitan's layout) they have no hooks of their own, and EP's all-to-alls are traced into the graph."""
+    """Why the experts cannot be ``fully_shard``-ed in calls of their own under ``--compile``'s whole blocks (with
+    its way out, ``COMPILED_EP_FIX``): FSDP2's hooks on them would run inside the block's compiled graph. Sharded in
+    their blocks' calls (a per-param mesh, torchtitan's layout) they have no hooks of their own, and EP's
+    all-to-alls are traced into the graph."""
+    return f"{_own_calls_problem(module, block)}; {COMPILED_EP_FIX}"
+
+
+def _own_calls_problem(module: str, block: str) -> str:
     return (f"the experts module '{module}' sharded in a fully_shard call of its own lies inside the block "
-            f"'{block}' that --compile compiles whole, where FSDP2's hooks cannot run (Dynamo refuses them): shard "
-            "the experts in their blocks' calls (--ep-placement blocks, torchtitan's layout) or plan the blocks eager")
+            f"{_block(block)} that --compile compiles whole, where FSDP2's hooks cannot run (Dynamo refuses them)")
 
 
+def _block(block: str) -> str:
+    return "(the root)" if block == ROOT else f"'{block}'"
+
+
+COMPILED_EP_FIX = "shard the experts in their blocks' calls (--ep-placement blocks, torchtitan's layout) or plan the " \
+    "blocks eager"
 # what a compiled block with EP is measured with: the routing stand-in's balanced routing
 SKEW_COMPILED = ("an EP skew with compiled blocks is not modelled: what a compiled block saves is measured with "
-                 "balanced routing (the busiest rank's extra rows are not in its graph); plan the skew with the blocks "
-                 "eager, or without the skew")
+                 "balanced routing (the busiest rank's extra rows are not in its graph)")
+SKEW_COMPILED_FIX = "plan the skew with the blocks eager, or without the skew"
 
 
-def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
-    """Refuse a group listing a module inside a block compiled whole (``inside_compiled``): FSDP2's hooks on it
-    would run inside the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped").
-    Experts sharded in their blocks' calls (a per-param mesh) run there, EP's dispatch traced into the graph as
-    torchtitan compiles its MoE blocks; under a skew, refused (``SKEW_COMPILED``)."""
+def compiled_groups_refusal(plan: Plan, compiled: Collection[str]) -> tuple[str, str, str] | None:
+    """Why ``plan`` cannot run with ``compiled`` modules compiled whole, its way out and the module to change; None
+    where it can. A group listing a module inside one (``inside_compiled``): FSDP2's hooks on it would run inside
+    the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped"). Experts sharded in
+    their blocks' calls (a per-param mesh) run there, EP's dispatch traced into the graph as torchtitan compiles its
+    MoE blocks; under a skew, not modelled (``SKEW_COMPILED``)."""
     ep = plan.expert_parallel
     if ep is not None and ep.skew != 1.0:  # (the experts by name: the plan's groups list them, its EP by pattern)
         experts = [*ep.modules, *(m for g in plan.groups for m in g.modules if any(matches(p, m) for p in ep.modules))]
-        if next(_modules_inside(experts, compiled), None) is not None:
-            raise PlannerError(SKEW_COMPILED)
+        if (found := next(_modules_inside(experts, compiled), None)) is not None:
+            return SKEW_COMPILED, SKEW_COMPILED_FIX, found[0]
     inside = inside_compiled(plan, compiled)
-    if inside is not None:
-        i, module, block = inside
-        if ep is not None and any(matches(p, module) for p in ep.modules):  # a grouping EP makes, not the user
-            raise PlannerError(own_calls_in_compiled_block(module, block))
-        raise PlannerError(f"group {i} lists '{module}', inside the block '{block}' that --compile compiles whole: "
-                           "FSDP2's hooks cannot run inside a compiled graph (Dynamo refuses them); group whole "
-                           "blocks, plan without --compile, or keep such a module in an fp32 group of its block "
-                           "(--fp32-modules BLOCK)")
+    if inside is None:
+        return None
+    i, module, block = inside
+    if ep is not None and any(matches(p, module) for p in ep.modules):  # a grouping EP makes, not the user
+        return _own_calls_problem(module, block), COMPILED_EP_FIX, module
+    return (f"group {i} lists '{module}', inside the block {_block(block)} that --compile compiles whole: FSDP2's "
+            "hooks cannot run inside a compiled graph (Dynamo refuses them)",
+            "group whole blocks, plan without --compile, or keep such a module in an fp32 group of its block "
+            "(--fp32-modules BLOCK)", module)
+
+
+def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
+    """Refuse a plan ``compiled_groups_refusal`` refuses, in one sentence."""
+    if (refused := compiled_groups_refusal(plan, compiled)) is not None:
+        problem, fix, _ = refused
+        raise PlannerError(f"{problem}; {fix}")
 
 
 def check_forward_methods(plan: Plan, model: nn.Module) -> None:

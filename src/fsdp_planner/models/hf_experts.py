@@ -197,7 +197,9 @@ NO_EP_TP = ("expert parallelism of transformers' experts layers runs without ten
 COMPILED_EP = ("expert parallelism of transformers' experts layers inside compiled blocks is simulated as torchtitan "
                "runs it (its MoE blocks compile whole with EP), not applied: transformers' EP dispatch branches on "
                "the routed token counts, which torch.compile(fullgraph=True) cannot trace, so apply, verify on "
-               "torchrun and the exports other than torchtitan's refuse it (plan the blocks eager to run it)")
+               "torchrun and the exports that run transformers' modules refuse it (verify --fake-world-size checks "
+               "it with the blocks eager; a torchtitan job of torchtitan's own MoE model runs its own modules, which "
+               "compile with EP; plan the blocks eager to run transformers')")
 # transformers' other experts layers (Llama 4's take pre-routed rows, JetMoE's expert sizes): EP simulated only
 OTHER_EXPERTS = ("expert parallelism of this model's experts layers is simulated as torchtitan runs it, not applied: "
                  "transformers runs it on its standard experts layers (use_experts_implementation) only, so apply, "

@@ -317,6 +317,13 @@ def _titan_ep_placement(m: _Merge, cfg: JobConfig) -> None:
     pytorch/torchtitan#2281 (March 2026; the config registry's jobs), each experts module in a call of its own
     before (a TOML job's: the registry replaced them in February 2026)."""
     placement = ExpertPlacement.BLOCKS if cfg.registry else ExpertPlacement.OWN
+    if placement is ExpertPlacement.OWN and cfg.compile:
+        # (its apply_compile of then compiled an MoE block's children apart, around the experts' own call)
+        raise PlannerError(f"this TOML job runs EP ({cfg.key('ep')} = {cfg.ep}) with {cfg.key('compile')}: the "
+                           "torchtitan of TOML jobs sharded each experts module in a fully_shard call of its own "
+                           "and compiled an MoE block's other children apart around it, which is not modelled (the "
+                           "planner compiles blocks whole, as torchtitan has since its config registry); plan it "
+                           "with -- --compile.enable false, or as torchtitan runs it now with --ep-placement blocks")
     m.values["ep_placement"] = placement.value
     if placement is ExpertPlacement.OWN:
         m.note("the experts are planned as a TOML job's torchtitan shards them: each experts module in a fully_shard "

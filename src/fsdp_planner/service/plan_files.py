@@ -126,7 +126,9 @@ def checked_on_trace(read: Plan, tr: Trace, note: Callable[[str], None] = lambda
     if check_tp is not None:
         check_tp(plan)
     check_plan_ep(plan, tr)
-    check_compiled_groups(plan, tr.compiled)  # (--compile's blocks: no group, nor EP's dispatch, inside them)
+    # the blocks the step compiles: --compile's, and the plan's own, which apply and export compile whatever the
+    # command traced (no group, no experts in calls of their own, inside them)
+    check_compiled_groups(plan, {*tr.compiled, *plan.compiled})
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     return plan
