@@ -45,16 +45,18 @@ def apply_compile(model: nn.Module, names: Sequence[str]) -> None:
 
 
 def waited_inputs(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` given a copy of each positional tensor that is a view of a functional collective's pending
+    """``forward`` given a copy of each tensor argument that is a view of a functional collective's pending
     output (``AsyncCollectiveTensor``): under TP the embedding's sequence-sharded output reaches the first compiled
     block so (RowwiseParallel's reduce-scatter, ``to_local``), and a compiled graph given that view as its input
     returned no gradient to it on torch 2.13 (the embedding trained on zeros beside a correct loss: verify's
     parity, 2.5e-3 off after one step) or failed in DTensor's backward; a copy of it trains as eager does."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+    def waited(a: Any) -> Any:
+        return a.clone() if isinstance(a, torch.Tensor) and isinstance(a._base, AsyncCollectiveTensor) else a
+
     def run(*args: Any, **kwargs: Any) -> Any:
-        return forward(*(a.clone() if isinstance(a, torch.Tensor) and isinstance(a._base, AsyncCollectiveTensor)
-                         else a for a in args), **kwargs)
+        return forward(*map(waited, args), **{k: waited(v) for k, v in kwargs.items()})
 
     return run
 

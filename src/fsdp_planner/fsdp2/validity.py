@@ -189,10 +189,11 @@ def _block(block: str) -> str:
 
 COMPILED_EP_FIX = "shard the experts in their blocks' calls (--ep-placement blocks, torchtitan's layout) or plan the " \
     "blocks eager"
-# what a compiled block with EP is measured with: the routing stand-in's balanced routing
+# what a compiled block with EP is measured with: the routing stand-in's balanced routing (a modelling limit of the
+# simulator, not of the job: the code a plan exports is the same with a skew or without)
 SKEW_COMPILED = ("an EP skew with compiled blocks is not modelled: what a compiled block saves is measured with "
-                 "balanced routing (the busiest rank's extra rows are not in its graph)")
-SKEW_COMPILED_FIX = "plan the skew with the blocks eager, or without the skew"
+                 "balanced routing (the busiest rank's extra rows are not in its graph); simulate the skew with the "
+                 "blocks eager, or without the skew")
 
 
 def compiled_groups_refusal(plan: Plan, compiled: Collection[str]) -> tuple[str, str, str] | None:
@@ -200,12 +201,8 @@ def compiled_groups_refusal(plan: Plan, compiled: Collection[str]) -> tuple[str,
     where it can. A group listing a module inside one (``inside_compiled``): FSDP2's hooks on it would run inside
     the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped"). Experts sharded in
     their blocks' calls (a per-param mesh) run there, EP's dispatch traced into the graph as torchtitan compiles its
-    MoE blocks; under a skew, not modelled (``SKEW_COMPILED``)."""
+    MoE blocks."""
     ep = plan.expert_parallel
-    if ep is not None and ep.skew != 1.0:  # (the experts by name: the plan's groups list them, its EP by pattern)
-        experts = [*ep.modules, *(m for g in plan.groups for m in g.modules if any(matches(p, m) for p in ep.modules))]
-        if (found := next(_modules_inside(experts, compiled), None)) is not None:
-            return SKEW_COMPILED, SKEW_COMPILED_FIX, found[0]
     inside = inside_compiled(plan, compiled)
     if inside is None:
         return None

@@ -17,7 +17,7 @@ from fsdp_planner.fsdp2.checkpointing import modified_topk
 from fsdp_planner.fsdp2.expert_groups import param_group_hosts, with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
-from fsdp_planner.fsdp2.validity import SKEW_COMPILED, own_calls_in_compiled_block
+from fsdp_planner.fsdp2.validity import own_calls_in_compiled_block
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf
 from fsdp_planner.models.hf_experts import COMPILED_EP, NO_EP_TP, OTHER_EXPERTS, UNPRICED_EP
@@ -239,8 +239,6 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
         raise PlannerError(no_experts(trace))
     if (compiled := compiled_experts(trace)) is not None and not per_param_mesh:
         raise PlannerError(own_calls_in_compiled_block(*compiled))
-    if compiled is not None and skew != 1.0:
-        raise PlannerError(SKEW_COMPILED)
     check_ep_applies(trace)
     tp = plan.tp_degree
     if tp > 1 and degree % tp:

@@ -31,8 +31,9 @@ module saves: one storage, counted once while the cache holds it (``Event.made_a
 A compiled module call (``Trace.compiled``: torch.compile'd blocks) is one autograd node: what its ops save
 one by one is replaced by what AOTAutograd's partitioner saves for the whole call, held from the end of its forward
 until its backward is done (``compiled_calls``). A checkpointed block is modelled as checkpointed, compiled or not:
-under full checkpointing the compiled call keeps its inputs, as eager's; under op-level or offloading the eager
-figures stand (what the partitioner makes of SAC's policy is not measured).
+under full checkpointing the compiled call keeps its inputs, as eager's; under op-level checkpointing, what the
+partitioner saves under the policy where it was measured (``compiled_under_sac``: the block's SAC variant, plus, in
+an EP view, the dispatch's rows a policy keeping all-to-alls saves), else, and under offloading, the eager figures.
 
 Under activation offloading (``Offloaded.HOST``, ``save_on_cpu``) a call is not checkpointed: nothing of what
 its ops save stays on the device after the op (``save_on_cpu`` packs a host copy and autograd holds only that);
