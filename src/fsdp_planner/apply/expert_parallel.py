@@ -32,6 +32,7 @@ from fsdp_planner.apply.policies import plan_policies, reshard_arg
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.expert_groups import alone_refusal, check_no_prefetch
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.validity import modules_inside
 from fsdp_planner.models import ModelSpec, hf, load_model
 from fsdp_planner.models.hf_experts import (
     COMPILED_EP,
@@ -41,7 +42,6 @@ from fsdp_planner.models.hf_experts import (
     is_transformers_module,
     one_rank_mesh,
 )
-from fsdp_planner.trace.tree import is_within
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: Any, split: int = 1) -> tuple:
@@ -174,7 +174,7 @@ def check_experts_run(modules: dict[str, nn.Module], experts: list[str], degree:
     if own and tp_degree > 1:
         raise PlannerError(f"{own[0]} ({type(modules[own[0]]).__name__}): {NO_EP_TP}; plan it without --ep "
                            "or without --tp")
-    if inside := [name for name in own if any(is_within(name, c) and name != c for c in compiled)]:
+    if (inside := next(modules_inside(own, compiled), None)) is not None:
         raise PlannerError(f"{inside[0]} ({type(modules[inside[0]]).__name__}): {COMPILED_EP}")
     for name in own:
         check_runs_ep(name, modules[name], degree)

@@ -161,10 +161,10 @@ def inside_compiled(plan: Plan, compiled: Collection[str]) -> tuple[int, str, st
     hookless = ep.modules if ep is not None and ep.per_param_mesh else ()
     return next(((i, m, b) for i, g in enumerate(plan.groups)
                  if not (hookless and all(any(matches(p, m) for p in hookless) for m in g.modules))
-                 for m, b in _modules_inside(g.modules, compiled)), None)
+                 for m, b in modules_inside(g.modules, compiled)), None)
 
 
-def _modules_inside(modules: Collection[str], compiled: Collection[str]) -> Iterator[tuple[str, str]]:
+def modules_inside(modules: Collection[str], compiled: Collection[str]) -> Iterator[tuple[str, str]]:
     """(module, block) for each of ``modules`` inside one of the ``compiled`` blocks."""
     blocks = set(compiled)
     return ((m, b) for m in modules for b in proper_ancestors(m) if b in blocks) if blocks else iter(())

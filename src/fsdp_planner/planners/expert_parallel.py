@@ -17,7 +17,7 @@ from fsdp_planner.fsdp2.checkpointing import modified_topk
 from fsdp_planner.fsdp2.expert_groups import param_group_hosts, with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
-from fsdp_planner.fsdp2.validity import own_calls_in_compiled_block
+from fsdp_planner.fsdp2.validity import modules_inside, own_calls_in_compiled_block
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf
 from fsdp_planner.models.hf_experts import COMPILED_EP, NO_EP_TP, OTHER_EXPERTS, UNPRICED_EP
@@ -31,7 +31,7 @@ from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import shard_dims
 from fsdp_planner.sim.tensor_parallel import tp_params, tp_view
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import is_within, parent_of, proper_ancestors
+from fsdp_planner.trace.tree import is_within, parent_of
 
 EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts layers end in "Experts" too
 
@@ -143,9 +143,7 @@ def compiled_experts(trace: Trace) -> tuple[str, str] | None:
     there with the experts sharded in their blocks' calls only (a per-param mesh: no hooks of their own, EP's
     all-to-alls traced into the block's graph, as torchtitan's ``apply_compile`` compiles its MoE blocks whole with
     EP); in calls of their own FSDP2's hooks would run inside the graph (``own_calls_in_compiled_block``)."""
-    blocks = set(trace.compiled)
-    return next(((m, b) for m in expert_modules(trace) for b in proper_ancestors(m) if b in blocks), None) \
-        if blocks else None
+    return next(modules_inside(expert_modules(trace), trace.compiled), None) if trace.compiled else None
 
 
 def expert_modules(trace: Trace) -> list[str]:

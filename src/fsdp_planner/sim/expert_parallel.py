@@ -41,7 +41,7 @@ from fsdp_planner.fsdp2.expert_groups import check_expert_groups, expert_param_i
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
-from fsdp_planner.fsdp2.validity import SKEW_COMPILED
+from fsdp_planner.fsdp2.validity import SKEW_COMPILED, modules_inside
 from fsdp_planner.hardware.all_to_all import all_to_all_cost
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.sim.recompute import CheckpointedCall, made_in_view, view_position
@@ -73,7 +73,7 @@ def ep_view(trace: Trace, plan: Plan) -> EPView:
         raise ValueError("the trace is already an expert-parallel view")
     check_expert_groups(plan, trace)
     experts = ep.experts(trace.modules)
-    if ep.skew != 1.0 and any(is_within(e, b) and e != b for e in experts for b in trace.compiled):
+    if ep.skew != 1.0 and next(modules_inside(experts, trace.compiled), None) is not None:
         raise PlannerError(SKEW_COMPILED)  # (a compiled block's saves are measured once, for balanced routing)
     split = token_split(trace, experts, ep.degree)
     local = ep_params(trace, plan)
