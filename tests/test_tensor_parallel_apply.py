@@ -259,18 +259,33 @@ def test_exported_parallelize_shards_as_apply_plan_does(toy, fmt: ExportFormat) 
     assert dims == ("dp_replicate", "dp_shard", "tp")
 
 
+KEYWORD_CALLS = f"{ROOT / 'tests' / 'fixtures' / 'tp_llama.py'}:keyword_calls"  # attention(x=...) and ffn(x=...)
+
+
+@pytest.mark.integration  # the fake process group: ~10 s
+def test_sequence_parallel_gathers_an_input_given_by_keyword() -> None:
+    """A block calling its attention and feed-forward with keywords (transformers' decoder layers do): the
+    gather_input styles all-gather it (PrepareModuleInput alone raised "module inputs and input_layouts should
+    have same length"), every count and byte as predicted."""
+    r = run_main("verify", KEYWORD_CALLS, "--policy", "titan", "--tp", "2", "--fake-world-size", "4")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    assert "tp all gathers" in r.stdout
+
+
 @pytest.mark.integration  # 4 gloo ranks under torchrun: ~25 s
 def test_exported_python_trains_with_parity_on_gloo(tmp_path: Path) -> None:
     """The exported module on 2 x TP 2 gloo ranks (examples/torchrun_fsdp2.py: one batch per TP group, the loss
-    under its loss_context()) trains as one process does, in fp32."""
-    lm = load_model("toy-llama")
-    plan = tp_plan(record(lm.model, lm.example_inputs, lm.loss_fn))
+    under its loss_context()) trains as one process does, in fp32; its blocks call their attention and feed-forward
+    with keywords, which its gather_input styles take."""
+    lm = load_model(KEYWORD_CALLS)
+    plan = TorchtitanPolicy("KeywordBlock").plan(record(lm.model, lm.example_inputs, lm.loss_fn)).replace(
+        tensor_parallel=titan_llama_layout(2), model=KEYWORD_CALLS)
     code = tmp_path / "tp_plan.py"
     code.write_text(export_plan(plan, ExportFormat.PYTHON, PRECISIONS["fp32"]))
     env = launch_env(tmp_path, PYTHONPATH=str(ROOT / "src"))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                          str(ROOT / "examples" / "torchrun_fsdp2.py"), str(code)], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=tmp_path)
+                          str(ROOT / "examples" / "torchrun_fsdp2.py"), str(code), KEYWORD_CALLS],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert max_abs_diff(out.stdout) <= 1e-5
 

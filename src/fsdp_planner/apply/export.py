@@ -697,6 +697,9 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         styles.update(dict.fromkeys(hits, style))
     moe = ("moe_sequence", "replicate", "token_split", "expert_tensor", *PACKED_DIMS, "mla_kv_a_proj")
     float8 = _float8_styled(modules, styles) if FLOAT8_TP else set()
+    for name, style in styles.items():  # (before the styles' own hooks, which read positional inputs)
+        if style in ("gather_input", "moe_sequence"):
+            modules[name].register_forward_pre_hook(_required_inputs_positional, with_kwargs=True)
     parallelize_module(model, tp_mesh, {n: _tp_style(s, modules[n], n in float8) for n, s in styles.items()
                                         if s not in moe})
     for name, style in styles.items():  # experts first: the MoE layer's distribute_module replicates the rest
@@ -734,6 +737,18 @@ def _float8_styled(modules: dict[str, nn.Module], styles: dict[str, str]) -> set
         if style == "gather_input" and readers and all(m in out for m in readers):
             out.add(name)
     return out
+
+
+def _required_inputs_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The required inputs a call gave as keywords (transformers' self_attn(hidden_states=...)) put in their
+    positional places: gather_input and moe_sequence redistribute the first positional input."""
+    params = inspect.signature(module.forward).parameters.values()
+    required = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.default is p.empty]
+    moved = [n for n in required[len(args):] if n in kwargs]
+    if not moved or moved != required[len(args):len(args) + len(moved)]:
+        return args, kwargs
+    return (*args, *(kwargs[n] for n in moved)), {k: v for k, v in kwargs.items() if k not in moved}
 
 
 def _tp_style(style: str, module: nn.Module, float8: bool = False) -> Any:

@@ -42,6 +42,21 @@ def positional_inputs(module: nn.Module) -> int:
     return max(1, sum(p.kind in positional and p.default is inspect.Parameter.empty for p in params))
 
 
+def required_inputs_positional(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    """A forward pre-hook putting the required inputs a call gave as keywords in their positional places:
+    ``GATHER_INPUT`` and ``MOE_SEQUENCE`` redistribute the first positional input, one layout per required one
+    (``positional_inputs``), and transformers' decoder layers call their attention with keywords
+    (``self_attn(hidden_states=...)``), which ``PrepareModuleInput`` would refuse ("module inputs and input_layouts
+    should have same length")."""
+    params = list(inspect.signature(module.forward).parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in params if p.kind in positional and p.default is inspect.Parameter.empty]
+    moved = [n for n in required[len(args):] if n in kwargs]
+    if not moved or moved != required[len(args):len(args) + len(moved)]:
+        return args, kwargs
+    return (*args, *(kwargs[n] for n in moved)), {k: v for k, v in kwargs.items() if k not in moved}
+
+
 def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module, float8: bool = False,
                 whole_input: bool = False) -> Any:
     """The ``torch.distributed.tensor.parallel`` style ``style`` stands for (its comment in
@@ -294,6 +309,10 @@ def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel
         raise PlannerError(f"the plan's TP degree is {tp.degree} but the mesh's 'tp' dim has {tp_mesh.size()} ranks")
     check_moe_styles(tp, dict(model.named_modules()), expert_parallel)
     _check_rope_keys(model, tp)
+    modules = dict(model.named_modules())
+    for name, style in tp.styles(modules).items():  # (before the styles' own hooks, which read positional inputs)
+        if style in (TPStyle.GATHER_INPUT, TPStyle.MOE_SEQUENCE):
+            modules[name].register_forward_pre_hook(required_inputs_positional, with_kwargs=True)
     parallelize_module(model, tp_mesh, torch_plan(model, tp, float8, loss_head))
     apply_own_styles(model, tp, tp_mesh)
     if tp.async_tp and async_tp_runs(tp_mesh.device_type):
