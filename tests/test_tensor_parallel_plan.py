@@ -155,6 +155,20 @@ def test_mlas_kv_b_proj_gives_whole_heads_of_its_own_width(tmp_path):
         check_layout(tr, tp_layout(tr, 8, spec), parse_cluster("h100:8"))
 
 
+def test_a_plan_file_cannot_shard_a_transformers_models_embedding_output_on_the_sequence():
+    """transformers' forward builds its positions and causal mask from the embedding's output length: sequence-
+    sharded, its first attention ran on the gathered sequence with one rank's share of positions, and every fake
+    rank failed in a broadcast (a Qwen3 layout in torchtitan's style, written by hand)."""
+    spec = ModelSpec("hf:titan-qwen3-debugmodel")
+    tr = trace_spec(spec)
+    tp = TensorParallel(2, {"model.embed_tokens": TPStyle.EMBEDDING_SEQUENCE,
+                            "model.layers.*.input_layernorm": TPStyle.SEQUENCE_PARALLEL})
+    with pytest.raises(PlannerError, match=r"embedding_sequence of model\.embed_tokens .* builds the positions and "
+                                           r"the attention mask from that output's length"):
+        plan_layout(tr, tp, spec)
+    plan_layout(tr, TensorParallel(2, {"model.embed_tokens": TPStyle.EMBEDDING}), spec)
+
+
 def test_a_plan_files_mla_style_is_checked_against_the_model(tmp_path):
     """A plan file's mla_rope_dim is the config's qk_rope_head_dim (12 summed four latent features' grads twice),
     the style goes to an nn.Linear (an Embedding's 'features' were its vocab: the all-reduce bytes were wrong), and

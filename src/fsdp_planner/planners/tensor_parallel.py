@@ -260,8 +260,9 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
     notes = () if tp.sequence_parallel else (
         "transformers' base_model_tp_plan has no sequence parallelism: the norms, residuals and every block's "
         "output are whole on each TP rank (and the logits too, without loss parallel), where torchtitan's layout "
-        "shards them by the TP degree (a plan file's 'tensor_parallel' can give sequence-parallel styles; the built-in "
-        "llama3-* models, which torchtitan's llama3 jobs run, have torchtitan's)",)
+        "shards them by the TP degree (transformers' forward builds its positions and mask from the embedding's "
+        "output, which sequence parallelism would shard; the built-in llama3-* models, which torchtitan's llama3 "
+        "jobs run, have torchtitan's layout)",)
     return Layout(tp, "transformers' base_model_tp_plan", notes, heads=heads, per_head=_hf_colwise(trace, plan))
 
 
@@ -468,6 +469,14 @@ def plan_layout(trace: Trace, tp: TensorParallel, model: ModelSpec | None) -> La
     plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config, _top(trace)) \
         if model is not None and hf.is_hf(model.name) else None
     if plan is not None and model is not None:
+        sharded = [m for m, s in tp.styles(trace.modules).items() if s is TPStyle.EMBEDDING_SEQUENCE]
+        if sharded:  # (a shape read no trace sees: the fake world's ranks failed in the first attention)
+            raise PlannerError(f"the tensor-parallel style embedding_sequence of {sharded[0]} shards its output on "
+                               f"the sequence, and {model.name}'s forward (transformers') builds the positions and "
+                               "the attention mask from that output's length, which would then be one rank's share "
+                               "of the sequence: plan it without sequence parallelism (embedding, colwise and "
+                               "rowwise styles, the norms left out), as transformers' own plan does (--tp without a "
+                               "plan file)")
         per_head = _hf_colwise(trace, plan)
         _check_rope_keys(trace, tp, plan, model.name)
         if tp.mla_rope_dim and plan.rope_dim and tp.mla_rope_dim != plan.rope_dim:
