@@ -52,6 +52,24 @@ def test_a_full_size_plan_s_prefetch_lists_follow_their_groups_onto_the_toy(toy)
     assert sum("prefetch" in n for n in notes) == 1
 
 
+def test_a_plan_carried_onto_a_model_that_ties_what_it_kept_apart_joins_the_groups():
+    """The planned model's embedding and output head are apart, the job's share one weight: make_plan joins their
+    groups, and the prefetch lists follow the groups as they now are (an internal error before: a trial's own LM,
+    tied when tiny)."""
+    big = traced("tests/fixtures/tp_llama.py:llama3_8b_shaped")
+    tied = traced("tests/fixtures/tp_llama.py:tied_llama")
+    plan = make_plan(big, [["tok_embeddings"], ["layers.0"], ["layers.1"], ["norm", "output"]])
+    plan = plan.with_group(1, forward_prefetch=[2]).with_group(3, backward_prefetch=[2])
+    out, notes = onto_job(plan, big, tied, 2, "mapped")
+    check_plan_matches(out, tied)
+    joined = next(g for g in out.inner_groups if "output" in g.modules)
+    assert "tok_embeddings" in joined.modules
+    layer0 = next(i for i, g in enumerate(out.groups) if "layers.0" in g.modules)
+    layer1 = next(i for i, g in enumerate(out.groups) if "layers.1" in g.modules)
+    assert list(out.groups[layer0].forward_prefetch) == [layer1]
+    assert any("the 4 groups carried over are regrouped on this model, as 4" in n for n in notes)
+
+
 def test_the_job_s_own_plan_keeps_its_groups_prefetch_and_sub_groups_that_fit(toy):
     plan = make_plan(toy, [[f"layers.{i}"] for i in range(4)], reshard=[True, 2, 4, False])
     plan = plan.replace(mesh=Mesh(2, 4))

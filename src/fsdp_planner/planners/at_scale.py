@@ -24,6 +24,7 @@ from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import is_within
 
 
 def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> tuple[Plan, list[str]]:
@@ -48,14 +49,32 @@ def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> 
     dropped = len(plan.inner_groups) - len(kept)
     if dropped:
         notes.append(f"{dropped} of the plan's {len(plan.inner_groups)} groups below its root hold only modules this "
-                     "model does not have (deeper blocks) and are left out")
+                     "model does not have (blocks deeper than its own, or modules it names otherwise) and are left "
+                     "out")
     out = make_plan(job, [ms for _, ms, _ in kept], [r for _, _, r in kept], policy=label, model=plan.model)
-    at = {old: new for new, (old, _, _) in enumerate(kept)} | {len(plan.inner_groups): len(kept)}  # root: last
-    groups = [_prefetching(g, plan.groups[old], at, notes) for g, (old, _, _) in zip(out.inner_groups, kept,
-                                                                                      strict=True)]
+    # each of the job's groups carries the first plan's group it shares a module with: make_plan joins the groups
+    # of a param tied across them, and splits or drops others, where the job's model differs from the planned one
+    origin = [next((old for old, ms, _ in kept
+                    if any(is_within(m, k) or is_within(k, m) for m in g.modules for k in ms)), None)
+              for g in out.inner_groups]
+    if [list(g.modules) for g in out.inner_groups] != [ms for _, ms, _ in kept]:
+        notes.append(f"the {fmt_count(len(kept), 'group')} carried over are regrouped on this model, as "
+                     f"{len(out.inner_groups)} (the modules sharing a param it ties go into one group; a group "
+                     "claiming no param of its own is dropped)")
+    at = {len(plan.inner_groups): len(out.inner_groups)}  # the root: last
+    for new, old in enumerate(origin):
+        if old is not None:
+            at.setdefault(old, new)
+    groups = [g if old is None else _prefetching(g, plan.groups[old], at, notes)
+              for g, old in zip(out.inner_groups, origin, strict=True)]
     out = replace(out, groups=[*groups, _prefetching(replace(out.root, reshard_after_forward=reshard[-1]),
                                                      plan.root, at, notes)],
                   activation_checkpointing=[m for m in plan.activation_checkpointing if m in job.modules])
+    carried = sum(job.param(p).numel for g in out.inner_groups for p in g.params)
+    if carried * 2 < job.numel:  # (a plan of other module names: the job's root would hold most of it)
+        notes.append(f"the groups carried over hold {carried / job.numel:.0%} of this model's params, the root the "
+                     "rest: most of the plan's module names are not this model's, so the run proves little of it "
+                     "(--plan-model should be the same model code at another size)")
     return out, notes
 
 
