@@ -45,7 +45,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from fsdp_planner.apply.float8 import after_optimizer_step, apply_float8
+from fsdp_planner.apply.float8 import after_optimizer_step, apply_float8, float8_module
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.apply.policies import plan_policies
 from fsdp_planner.apply.tensor_parallel import data_rank, loss_context
@@ -288,17 +288,31 @@ def fsdp2_casts(reference: torch.nn.Module, plan: Plan, policy: MixedPrecisionPo
                                  if g.param_dtype != "fp32"))
     full = tuple(m for g in plan.groups if g.param_dtype == "fp32" for m in g.modules)  # fp32 groups' modules
     reduce = policy.reduce_dtype or policy.param_dtype
-    return functools.partial(_in_compute_dtype, reference, modules, policy.param_dtype, reduce, full)
+    return functools.partial(_in_compute_dtype, reference, modules, policy.param_dtype, reduce, full,
+                             float8_gathered(reference, plan))
+
+
+def float8_gathered(reference: torch.nn.Module, plan: Plan) -> frozenset[int]:
+    """The float8 Linears' weights FSDP2 all-gathers in float8 (``fsdp_float8_all_gather``): cast from the fp32
+    shard straight to float8, never to the compute dtype first, so the reference keeps them in fp32 and its
+    Float8Linear casts them as the all-gather did (cast to bf16 first, they rounded twice: a trial's LM 1.46x its
+    bound off, its losses apart from step 0)."""
+    if plan.float8 is None or not plan.float8.fsdp_float8_all_gather:
+        return frozenset()
+    linear = float8_module().float8_linear.Float8Linear
+    return frozenset(id(m.weight) for m in reference.modules() if isinstance(m, linear))
 
 
 @contextlib.contextmanager
 def _in_compute_dtype(model: torch.nn.Module, modules: list[torch.nn.Module], compute: torch.dtype,
-                      reduce: torch.dtype, full: tuple[str, ...] = ()) -> Iterator[None]:
+                      reduce: torch.dtype, full: tuple[str, ...] = (), float8: frozenset[int] = frozenset()
+                      ) -> Iterator[None]:
     """One micro-batch of ``model`` in ``compute`` (``fsdp2_casts``), the ``full`` modules in fp32 as their fp32
-    groups run them (``full_precision_casts``); its grads then join the params' own. Not mirrored: the casts FSDP2
+    groups run them (``full_precision_casts``) and the ``float8`` weights (ids) in their own dtype, which FSDP2
+    casts to float8 whole (``float8_gathered``); its grads then join the params' own. Not mirrored: the casts FSDP2
     also makes for a group's registered non-forward methods (``plan.forward_methods``)."""
     kept = [(p, p.data, p.grad) for p in dict.fromkeys(model.parameters()) if p.is_floating_point()]
-    in_fp32 = subtree_params(dict(model.named_modules()), full)
+    in_fp32 = subtree_params(dict(model.named_modules()), full) | float8
 
     def cast(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return tree_map_only(torch.Tensor, lambda t: t.to(compute) if t.is_floating_point() else t, (args, kwargs))
