@@ -155,8 +155,11 @@ def test_a_torchtitan_export_compiles_what_the_plan_does(tmp_path, compiled, com
 def test_plan_says_what_compiling_the_loss_frees():
     """`plan --explain` (and a --compile-loss job) compares the loss compiled and eager under auto's plan: on the
     debug Llama the loss is the peak (64 MiB of bf16 logits, three fp32 copies eager), so compiling it is said to
-    free most of it; the reverse answer names the eager loss's cost."""
-    from fsdp_planner.planners.answers import compile_loss_answer
+    free most of it where the plan is short of memory (a budget just above its peak); with an H100's budget, and
+    neither checkpointing nor offloading to drop, the memory buys nothing and the fix says to keep the loss eager
+    (a trial's --explain recommended it at 0.0% faster, 62 MiB of 70.8 GiB); the reverse answer names the eager
+    loss's cost."""
+    from fsdp_planner.planners.answers import compile_loss_answer, loss_chunks_answer
     from fsdp_planner.sim.budget import MemoryBudget
 
     cluster = parse_cluster("h100:8")
@@ -167,7 +170,14 @@ def test_plan_says_what_compiling_the_loss_frees():
     base = simulate(eager, plan, cluster, SimOptions(), timeline=False)
     found = compile_loss_answer(compiled, plan, cluster, SimOptions(), base, budget)
     assert found is not None and found.message.startswith("torch.compile of the loss (--compile-loss)")
-    assert "plan with --compile-loss" in found.fix
+    assert found.fix.startswith("keep the loss eager: the ") and "buys nothing here" in found.fix
+    short = MemoryBudget.explicit(int(base.reserved_memory * 1.2), cluster.gpu.memory_bytes, cluster.gpu.name)
+    found = compile_loss_answer(compiled, plan, cluster, SimOptions(), base, short)
+    assert found is not None and "plan with --compile-loss" in found.fix and "freed for auto to spend" in found.fix
+    chunked = trace_spec(ModelSpec("llama3-debugmodel", loss_chunks=8))  # chunks buy memory alike
+    roomy, tight = (loss_chunks_answer(chunked, plan, cluster, SimOptions(), base, b) for b in (budget, short))
+    assert roomy is not None and roomy.fix.startswith("keep the loss whole: the ")
+    assert tight is not None and "plan with --loss-chunks 8" in tight.fix
     back = compile_loss_answer(eager, plan, cluster, SimOptions(),
                                simulate(compiled, plan, cluster, SimOptions(), timeline=False), budget)
     assert back is not None and back.message.startswith("the same plan with the loss eager")
