@@ -379,7 +379,7 @@ def test_a_compiled_plan_s_out_line_says_to_compile_its_simulation(tmp_path, cap
     out = tmp_path / "plan.json"
     assert main(["plan", "toy-llama", "--policy", "titan", "--compile", "--cluster", "h100:8", "--out", str(out)]) == 0
     said = capsys.readouterr()
-    assert said.out.strip().splitlines()[-1].endswith("give simulate and verify --compile)")
+    assert said.out.strip().splitlines()[-1].endswith("(simulated with --compile: give simulate and verify the same)")
     # and, once, that the compiled step is the model's optimistic figure
     assert said.err.count("read a compiled step time, its tokens/s and MFU as optimistic") == 1
 

@@ -292,8 +292,8 @@ def test_a_plan_file_of_a_split_says_how_to_run_it(tmp_path, capsys):
     assert main(["plan", f"hf:{config}", "--policy", "auto", "--cluster", "h100:16", "--batch", "64", "--seq", "64",
                  "--memory-budget", "45MiB", "--out", str(out)]) == 0
     written = capsys.readouterr().out.splitlines()[-1]
-    split = re.fullmatch(rf"plan written to {re.escape(str(out))} \(simulated as: give simulate and verify --batch "
-                         r"64 --micro-batches (\d+)\)", written)
+    split = re.fullmatch(rf"plan written to {re.escape(str(out))} \(simulated with --batch "
+                         r"64 --micro-batches (\d+): give simulate and verify the same\)", written)
     assert split is not None and int(split[1]) > 1, written  # (2 since auto's EP screen shards experts on dim 1)
     assert main(["simulate", f"hf:{config}", "--plan", str(out), "--cluster", "h100:16", "--batch", "64", "--seq",
                  "64", "--micro-batches", split[1], "--memory-budget", "45MiB", "--json"]) == 0
@@ -380,8 +380,8 @@ def test_a_plan_file_of_auto_s_tp_and_split_says_the_batch_its_file_records(tmp_
     written = printed.splitlines()[-1]
     recorded = json.loads(out.read_text())["workload"]
     assert recorded["micro_batches"] > 1 and " x TP 2" in printed, printed
-    assert written == f"plan written to {out} (simulated as: give simulate and verify --batch {recorded['batch']} " \
-                      f"--micro-batches {recorded['micro_batches']})", written
-    flags = written.split("verify ")[1].rstrip(")").split()
+    assert written == f"plan written to {out} (simulated with --batch {recorded['batch']} " \
+                      f"--micro-batches {recorded['micro_batches']}: give simulate and verify the same)", written
+    flags = written.split("simulated with ")[1].split(":")[0].split()
     assert main(["simulate", *job, "--plan", str(out), *flags]) == 0
     assert "the plan was made for" not in capsys.readouterr().err  # (with --batch 4 it was: the step of another job)

@@ -1077,7 +1077,7 @@ def test_a_plan_file_from_a_job_says_what_simulate_needs_to_run_it(tmp_path, cap
     auto = json.loads(capsys.readouterr().out)["auto_step"]
     assert main(["plan", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8", "--out", str(out)]) == 0
     written = capsys.readouterr().out.strip().splitlines()[-1]
-    model, *flags = written.partition("give simulate and verify ")[2].rstrip(")").split()
+    model, *flags = written.partition("(simulated with ")[2].partition(": give simulate and verify")[0].split()
     # (the model too: the user named the job, not the model; the line left it out, a new user's finding)
     assert [model, *flags] == ["llama3-debugmodel", "--batch", "8", "--seq", "2048", "--optimizer", "adamw-fused",
                                "--loss-chunks", "8"]

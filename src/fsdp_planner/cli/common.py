@@ -7,7 +7,7 @@ import shlex
 import fsdp_planner.cli.render as render
 import fsdp_planner.service.plan_files as plan_files
 import fsdp_planner.service.planning as planning
-from fsdp_planner.choices import DEFAULT_OPTIMIZER, GradientSync
+from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, GradientSync
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
@@ -95,6 +95,8 @@ def run_flags(job: PlanJob, split: bool, workload: bool = False, written: Plan |
         flags += ["--batch", str(model.batch_size)]
     if workload and model.seq_len is not None:
         flags += ["--seq", str(model.seq_len)]
+    if opts.precision.name != DEFAULT_PRECISION:  # (the plan records it; the commands run their option's)
+        flags += ["--precision", opts.precision.name]
     if opts.optimizer.name != DEFAULT_OPTIMIZER:
         flags += ["--optimizer", opts.optimizer.name]
     if model.compile:  # (the plan names its compiled blocks; the step traced compiled needs the option)
@@ -103,4 +105,4 @@ def run_flags(job: PlanJob, split: bool, workload: bool = False, written: Plan |
         flags.append("--compile-loss")
     if model.loss_chunks:
         flags += ["--loss-chunks", str(model.loss_chunks)]
-    return f" (simulated as: give simulate and verify {' '.join(flags)})" if flags else ""
+    return f" (simulated with {' '.join(flags)}: give simulate and verify the same)" if flags else ""

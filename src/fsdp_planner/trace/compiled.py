@@ -59,7 +59,9 @@ class BlockNotCompiled(PlannerError):
 
     def __init__(self, block: str, cause: Exception) -> None:
         super().__init__(f"--compile: AOTAutograd could not trace block '{block}' ({compile_error(cause)}); the "
-                         "block does not compile with fullgraph=True as the step calls it")
+                         "block does not compile with fullgraph=True as the step calls it: plan it eager (without "
+                         "--compile), or make the block traceable (no data-dependent shapes: e.g. routing of a fixed "
+                         "capacity)")
         self.block = block
         self.cause = cause
 
