@@ -47,7 +47,7 @@ def test_ac_modes_name_every_block_or_every_second_one():
     assert checkpointed_blocks(tr, ACMode.FULL) == BLOCKS
     assert checkpointed_blocks(tr, ACMode.SELECTIVE) == ["layers.1", "layers.3"]  # torchtitan's option "2"
     assert checkpointed_blocks(tr, ACMode.NONE) == []
-    with pytest.raises(PlannerError, match="no repeated module class"):
+    with pytest.raises(PlannerError, match="no repeated composite module class"):
         checkpointed_blocks(traced("seed-net"), ACMode.FULL)
 
 
@@ -57,7 +57,7 @@ def test_a_model_that_is_a_sequential_of_blocks_checkpoints_them():
     tr = traced("tests/fixtures/factories.py:sequential_blocks")
     assert checkpointed_blocks(tr, ACMode.FULL) == ["0", "1", "2"]
     layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    with pytest.raises(PlannerError, match="no repeated module class"):
+    with pytest.raises(PlannerError, match="no repeated composite module class"):
         checkpointed_blocks(record(layers, (torch.randn(2, 8),), lambda out: out.square().mean()), ACMode.FULL)
 
 
@@ -381,7 +381,7 @@ def test_cli_ac_option(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["recompute_time"] > 0
     assert main(["simulate", "seed-net", "--policy", "titan", "--module-classes", "Conv2d", "--ac", "full",
                  "--cluster", "h100:8"]) == 2
-    assert "no repeated module class" in capsys.readouterr().err
+    assert "no repeated composite module class" in capsys.readouterr().err
 
 
 @pytest.mark.integration
@@ -451,3 +451,54 @@ def test_saved_activations_are_freed_where_autograd_releases_them():
     assert freed and freed[-1] < post  # inside the first layer's backward, before it is done
     levels = activation_levels(tr, precision_named("fp32"))
     assert levels[freed[-1] + 1] <= levels[freed[-1]] - bias
+
+
+ATTRIBUTE_BLOCKS = '''import torch
+from torch import nn
+
+
+class Blk(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc_a, self.fc_b = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.fc_b(torch.relu(self.fc_a(self.norm(x))))
+
+
+class Net(nn.Module):  # blocks held as attributes, no ModuleList
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+        for i in range(3):
+            setattr(self, f"block{i}", Blk())
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i in range(3):
+            h = getattr(self, f"block{i}")(h)
+        return self.out(h)
+
+
+def build(batch_size: int = 2):
+    return Net(), (torch.randn(batch_size, 4, 8),), lambda o: o.square().mean()
+'''
+
+
+def test_blocks_held_as_attributes_are_checkpointed_compiled_and_kept_whole(tmp_path, capsys):
+    """A model whose blocks are attributes (block0, block1, ...): the titan policy wrapped them, and --ac full said
+    the model had no blocks (a trial); they are its blocks for --ac, --compile and the order policy alike, a leaf
+    class repeated (its Linears) is not."""
+    path = tmp_path / "attr.py"
+    path.write_text(ATTRIBUTE_BLOCKS)
+    tr = traced(f"{path}:build")
+    assert tr.index.block_instances == ("block0", "block1", "block2")
+    assert main(["plan", f"{path}:build", "--policy", "titan", "--ac", "full", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plans"][0]["plan"]
+    assert plan["activation_checkpointing"] == ["block0", "block1", "block2"]
+    linears = tmp_path / "linears.py"
+    linears.write_text("import torch\nfrom torch import nn\n\n\ndef build(batch_size: int = 2):\n"
+                       "    model = nn.Module()\n    model.a, model.b = nn.Linear(8, 8), nn.Linear(8, 8)\n"
+                       "    model.forward = lambda x: model.b(model.a(x))\n"
+                       "    return model, (torch.randn(batch_size, 8),), lambda o: o.sum()\n")
+    assert traced(f"{linears}:build").index.block_instances == ()

@@ -196,7 +196,7 @@ def test_apply_recomputes_only_what_the_policy_drops():
 
 
 def test_ac_op_on_a_model_without_blocks_names_the_plan_key():
-    with pytest.raises(PlannerError, match=r"no repeated module class.*\"selective_checkpointing\" instead"):
+    with pytest.raises(PlannerError, match=r"no repeated composite module class.*\"selective_checkpointing\" instead"):
         _titan_on("seed-net", ACMode.OP)
 
 

@@ -90,8 +90,8 @@ def checkpointed_blocks(trace: Trace, mode: ACMode) -> list[str]:
         key = {ACMode.OP: "selective_checkpointing", ACMode.OFFLOAD: "activation_offloading"}.get(
             mode, "activation_checkpointing")
         raise PlannerError(f"--ac {mode.value} applies to the model's repeated blocks, and this model has none "
-                           "(no repeated module class in a ModuleList or Sequential); list the modules in a plan "
-                           f"file's \"{key}\" instead")
+                           "(no repeated composite module class, in a ModuleList, a Sequential or as attributes); "
+                           f"list the modules in a plan file's \"{key}\" instead")
     if mode in (ACMode.FULL, ACMode.OP, ACMode.OFFLOAD):
         return blocks
     return [b for k, b in enumerate(blocks, start=1) if k % SELECTIVE_EVERY == 0]

@@ -393,7 +393,8 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
     blocks = [f for f in tr.index.block_instances if tr.modules[f].calls]  # an encoder-decoder's encoder layers too
     if not blocks:
         raise PlannerError("--compile compiles the model's repeated blocks, as torchtitan does, and this model has "
-                           "none (no repeated module class in a ModuleList or Sequential)")
+                           "none (no repeated composite module class, in a ModuleList, a Sequential or as attributes): "
+                           "plan it eager (without --compile)")
     alike = alike_blocks(tr, blocks)
     distinct = len(set(alike.values()))
     if distinct >= SLOW_COMPILES:

@@ -374,10 +374,13 @@ class TraceIndex:
         inside its instances nor hold them (Whisper's and BART's encoder layers beside their decoder layers, a
         hybrid's two layer kinds: checkpointing the block class alone left an encoder's activations, the larger
         part of a speech model's, saved in full), and a class stacked between its instances even where one kind
-        holds the other (Zamba2's hybrid layers each wrap a Mamba layer: ``block_instances`` are the outermost)."""
+        holds the other (Zamba2's hybrid layers each wrap a Mamba layer: ``block_instances`` are the outermost).
+        A model of no such class, whose blocks are attributes (``block0``, ``block1``, ...), has ``block_class``'s
+        where it is composite and repeated (the titan and module policies wrapped those blocks, and ``--ac`` found
+        none: a trial)."""
         main = self.container_block_class
         if main is None:
-            return ()
+            return self._attribute_blocks()
         numel, chosen = self.subtree_numel, [main]
         kids = {c for m, info in self._modules.items() if info.cls in CONTAINERS for c in info.children
                 if m != ROOT or self._modules[c].children}
@@ -404,6 +407,16 @@ class TraceIndex:
             if cls in stacked or (total[cls] >= PEER_SHARE * ours and not self._nested(cls, chosen)):
                 chosen.append(cls)
         return tuple(chosen)
+
+    def _attribute_blocks(self) -> tuple[str, ...]:
+        """``block_class`` where each instance is composite and the class repeats (two instances or more, or one
+        the step calls again and again: an ALBERT's shared layer); () otherwise (a leaf class, a Linear, is no
+        block to checkpoint or compile)."""
+        cls = self.block_class
+        mine = [info for m, info in self._modules.items() if m != ROOT and info.cls == cls]
+        if not mine or not all(info.children for info in mine) or cls in CONTAINERS:
+            return ()
+        return (cls,) if len(mine) >= 2 or any(info.calls >= 2 for info in mine) else ()
 
     @cached_property
     def block_instances(self) -> tuple[str, ...]:
