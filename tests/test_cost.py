@@ -242,6 +242,8 @@ def test_parse_cluster_errors_list_the_presets(spec: str) -> None:
     msg = str(e.value)
     assert all(p in msg for p in ("h100", "h200", "a100", "b200"))
     assert msg.replace("e.g. ", "").count(". ") == 0  # one sentence
+    if spec == "h100:12":  # (a trial took h100:12 for refused outright: 2x6 is the way)
+        assert "(e.g. h100:2x6 for 12 GPUs on 2 nodes)" in msg
 
 
 @pytest.mark.parametrize("spec", ["h100:-8", "h100:abc", "h100:1e9", "a100:8:8"])

@@ -98,6 +98,11 @@ def test_replica_groups_are_strided() -> None:
     assert replica_ranks_per_node(cluster, Mesh(2, 32)) == 1
     ctx = SimContext(load_trace_small(), cluster, mesh=Mesh(8, 8))
     assert ctx.cost(AR).link == "inter" and ctx.cost(RS).link == "intra"
+    # a shard that does not divide a node: Accelerate's dp_replicate 3 x dp_shard 4 on two 6-GPU nodes puts ranks
+    # 0, 4 and 8 on two nodes (it was taken for one a node, three nodes, and refused: "spans 3 nodes")
+    assert replica_ranks_per_node(parse_cluster("h100:2x6"), Mesh(3, 4)) == 2
+    r = run_main("simulate", "toy-llama", "--policy", "titan", "--cluster", "h100:2x6", "--mesh", "3x4")
+    assert r.returncode == 0 and "per step on mesh 3x4" in r.stdout, r.stderr
 
 
 def load_trace_small():

@@ -93,6 +93,10 @@ def run_flags(job: PlanJob, split: bool, workload: bool = False, written: Plan |
             flags += ["--gradient-sync", opts.gradient_sync.value]
     elif workload and model.batch_size is not None:
         flags += ["--batch", str(model.batch_size)]
+    elif written is not None and written.workload is not None and written.tp_degree > 1:
+        # (TP d runs d x the batch on each data-parallel rank, which the plan records and the commands take: a
+        # trial's simulate of auto's TP 2 plan ran batch 1, 121 ms for the plan's 188)
+        flags += ["--batch", str(written.workload.batch)]
     if workload and model.seq_len is not None:
         flags += ["--seq", str(model.seq_len)]
     if opts.precision.name != DEFAULT_PRECISION:  # (the plan records it; the commands run their option's)

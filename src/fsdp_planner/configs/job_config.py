@@ -463,7 +463,8 @@ def _titan_float8_tp(cfg: JobConfig) -> None:
 
 def _titan_model(cfg: JobConfig, model: dict[str, Any]) -> None:
     name, flavor = model.get("name"), model.get("flavor")
-    cfg.model_label = f"{shown_json(name)} flavor {shown_json(flavor)}"
+    cfg.model_label = f"{shown_json(name)} flavor {shown_json(flavor)}" if name is not None or flavor is not None \
+        else "(no model name or flavor)"
     cfg.keys["model.name"], cfg.keys["model.flavor"] = name, flavor
     if isinstance(name, str) and isinstance(flavor, str):
         cfg.model = titan_model(name, flavor)

@@ -817,6 +817,13 @@ def _shown(spec: str) -> str:
 
 
 @checked
+def _layout_example(name: str, gpus: int) -> str:
+    """An example NODESxGPUS for ``gpus`` GPUs on equal nodes of at most ``MAX_GPUS_PER_NODE`` (the fewest nodes),
+    for the refusal of a count that is no whole number of full nodes; "" where none is (a prime count)."""
+    nodes = next((k for k in range(2, gpus) if gpus % k == 0 and gpus // k <= MAX_GPUS_PER_NODE), None)
+    return f" (e.g. {name}:{nodes}x{gpus // nodes} for {gpus} GPUs on {nodes} nodes)" if nodes else ""
+
+
 def parse_cluster(spec: str) -> Cluster:
     """``h100:64`` (8 nodes of 8), ``h100:4`` (4 GPUs, one node), ``a100:16x8`` (16 nodes x 8), a JSON path.
 
@@ -859,7 +866,8 @@ def parse_cluster(spec: str) -> Cluster:
     if n < 1 or (n > MAX_GPUS_PER_NODE and n % MAX_GPUS_PER_NODE):
         raise PlannerError(
             f"bad GPU count in cluster '{_shown(spec)}': give 1 to {MAX_GPUS_PER_NODE} GPUs (one node) or a "
-            f"multiple of {MAX_GPUS_PER_NODE} (whole nodes), with a preset among {presets}"
+            f"multiple of {MAX_GPUS_PER_NODE} (whole nodes), with a preset among {presets}; nodes of another "
+            f"size as NODESxGPUS{_layout_example(name, n)}"
         )
     if n <= MAX_GPUS_PER_NODE:
         return preset_cluster(name, nodes=1, gpus_per_node=n)

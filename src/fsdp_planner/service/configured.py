@@ -376,7 +376,8 @@ def _tensor_parallel(m: _Merge, world: int) -> None:
     m.given("tp", cfg.tp, key)
     if m.values["tp_key"] is None:  # the degree is the config's: its refusals name the key
         m.values["tp_key"] = key
-    if cfg.kind == TORCHTITAN and str(m.values["model"]).startswith("hf:"):
+    if cfg.kind == TORCHTITAN and str(m.values["model"]).startswith("hf:") and cfg.plan is None:
+        # (an export's job applies its plan's own layout: its parallelize_fn, not torchtitan's)
         m.note(f"torchtitan runs its own TP layout for {cfg.model_label} (sequence parallelism, loss parallel), "
                f"and the figures here are of {hf_tp_layout(str(m.values['model']))}")
     if cfg.loss_parallel is not None:

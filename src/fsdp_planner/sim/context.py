@@ -271,9 +271,12 @@ class SimContext:
 
 
 def replica_ranks_per_node(cluster: Cluster, mesh: Mesh) -> int:
-    """Ranks of one HSDP replica group on a node: its members are ``shard`` ranks apart, so a node of
-    ``gpus_per_node`` consecutive ranks holds ``gpus_per_node // shard`` of them (at least one)."""
-    return max(1, min(mesh.replicate, cluster.gpus_per_node // mesh.shard))
+    """Ranks of one HSDP replica group on a node: its members are ``shard`` ranks apart, spread over the nodes of
+    ``gpus_per_node`` consecutive ranks they fall in (the most on one node where a shard does not divide a node:
+    Accelerate's 3 x 4 on two 6-GPU nodes puts ranks 0, 4 and 8 on two nodes, which ``gpus_per_node // shard``
+    ranks a node took for three)."""
+    nodes = len({r * mesh.shard // cluster.gpus_per_node for r in range(mesh.replicate)})
+    return -(-mesh.replicate // nodes)
 
 
 def collective_bytes(ctx: SimContext, c: Collective, gather: list[int]) -> int:
