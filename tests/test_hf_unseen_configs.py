@@ -342,6 +342,20 @@ def test_a_backbone_config_planned_with_a_classifier_says_so(tmp_path, capsys):
     assert "no classifier" not in capsys.readouterr().err
 
 
+def test_a_decoder_config_naming_a_classifier_is_planned_as_its_causal_lm_and_says_so(tmp_path, capsys):
+    """A Mistral config naming MistralForSequenceClassification (3 labels) was planned as the causal LM, its
+    vocabulary head and logits included, without a word (a trial); said now, with the head's params; a config
+    naming the causal LM has no such note."""
+    cls = _config(tmp_path, "cls", {**MISTRAL, "architectures": ["MistralForSequenceClassification"], "num_labels": 3})
+    assert main(["plan", cls, "--policy", "module", "--batch", "2"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the config names MistralForSequenceClassification: planned as transformers' causal LM of it (the task " \
+           "follows model_type), with its vocabulary head (" in err
+    lm = _config(tmp_path, "lm", {**MISTRAL, "architectures": ["MistralForCausalLM"]})
+    assert main(["plan", lm, "--policy", "module", "--batch", "2"]) == 0
+    assert "the config names" not in capsys.readouterr().err
+
+
 def test_a_config_naming_its_own_code_is_planned_as_transformers_class_and_says_so(tmp_path, capsys):
     """A config with ``auto_map`` (a ``trust_remote_code`` model) was planned as plain Mistral without a word: its
     code is never run (a marker it would write stays absent), and a note names what was planned instead."""

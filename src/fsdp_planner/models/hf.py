@@ -385,6 +385,27 @@ def encoder_note(model: nn.Module) -> str | None:
             "blocks but attends both ways (about twice the causal attention's FLOPs) and another head")
 
 
+# the heads of a causal LM's class names, which a config's ``architectures`` may name beside another task's
+LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def head_note(model: nn.Module) -> str | None:
+    """Said, not silent: a decoder config whose ``architectures`` names another head (a sequence or token classifier,
+    question answering) is planned as transformers' causal LM of it, the task following ``model_type`` (a trial's
+    Mistral classifier of 3 labels was planned with its 134M-param vocabulary head and logits without a word)."""
+    config = getattr(model, "config", None)
+    if config is None or task_of(config) is not HfTask.CAUSAL_LM or is_encoder(config.model_type):
+        return None
+    archs = [str(a) for a in getattr(config, "architectures", None) or []]
+    if not archs or any(a.endswith(LM_HEADS) for a in archs):
+        return None
+    head = getattr(model, "lm_head", None)
+    numel = sum(p.numel() for p in head.parameters()) if isinstance(head, nn.Module) else 0
+    return (f"the config names {archs[0]}: planned as transformers' causal LM of it (the task follows model_type), "
+            f"with its vocabulary head ({numel:,} params), logits and next-token loss, which that class replaces with "
+            "its own head: the plan's memory and step are a causal LM's")
+
+
 IMAGENET_SIZE = 224  # the crop of ImageNet training, which a CNN config without image_size (ResNet, RegNet, BiT)
 # leaves to its preprocessor (microsoft/resnet-50's preprocessor_config.json: crop_size 224)
 

@@ -85,7 +85,8 @@ def _traced_spec(spec: ModelSpec, precision: Precision, full: bool, note: Callab
     except (SystemExit, Exception) as e:
         raise step_failure(e, f"'{spec}'", full) from e
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
-    encoder = (hf.encoder_note(lm.model) or hf.image_note(lm.model)) if hf.is_hf(spec.name) else None
+    encoder = (hf.encoder_note(lm.model) or hf.image_note(lm.model) or hf.head_note(lm.model)) \
+        if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), linear_attention_note(tr, lm.model),
                  mamba_note(tr, lm.model), selective_scan_note(tr, lm.model), token_loop_note(tr, spec.seq_len),
                  recurrent_note(tr, lm.model),
