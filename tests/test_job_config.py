@@ -126,6 +126,23 @@ def test_torchtitan_compile_of_the_loss_alone_leaves_the_blocks_eager(tmp_path):
     assert (model.compile, model.compile_loss) == (True, False) and not model.notes
 
 
+@pytest.mark.parametrize(("text", "all_gather"), [
+    ("mixed_precision: fp8\n", True),  # no fp8_config: Accelerate takes torchao's where installed, all-gather on
+    ("mixed_precision: fp8\nfp8_config:\n  backend: AO\n  enable_fsdp_float8_all_gather: false\n", False),
+])
+def test_accelerate_fp8_with_torchao_is_float8_tensorwise(tmp_path, text, all_gather):
+    """mixed_precision: fp8 with torchao's backend (AO; Accelerate 1.16's AORecipeKwargs) is --float8 tensorwise,
+    its FSDP2 all-gather as fp8_config says (default on): a trial's job was simulated in bf16, said only."""
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n" + text)))
+    assert (cfg.float8, cfg.float8_all_gather) == ("tensorwise", all_gather)
+    assert any("mixed_precision = fp8 with torchao's backend (AO" in n for n in cfg.notes), cfg.notes
+    fsdp1 = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 1\n" + text)))
+    assert not fsdp1.float8 and any("under FSDP1 (fsdp_version 1) is not modelled" in n for n in fsdp1.notes)
+    bf16 = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\nmixed_precision: bf16\n"
+                                                       "fp8_config:\n  backend: AO\n")))
+    assert not bf16.float8 and any("fp8_config is not read: mixed_precision = bf16" in n for n in bf16.notes)
+
+
 @pytest.mark.parametrize(("text", "error"), [
     ("[training]\nseq_len = 0\n", "training.seq_len = 0 is not a whole number"),
     ('[activation_checkpoint]\nmode = "FULL"\n', 'mode = "FULL" is not one of none, full, selective, in lowercase'),
@@ -226,7 +243,8 @@ def test_accelerate_v1_sharding_strategies(tmp_path, strategy, reshard, replicat
 
 @pytest.mark.parametrize(("text", "note"), [
     ("mixed_precision: fp16\n", "mixed_precision = fp16 is simulated as bf16-mixed"),
-    ("mixed_precision: fp8\n", "mixed_precision = fp8 is left out"),
+    # Transformer Engine's float8 is not torchao's: bf16-mixed, said
+    ("mixed_precision: fp8\nfp8_config:\n  backend: TE\n", "mixed_precision = fp8 under fp8_config.backend = TE"),
     ("dynamo_config:\n  dynamo_backend: INDUCTOR\n", 'dynamo_config.dynamo_backend = "INDUCTOR" is left out'),
     ("  fsdp_mystery: 1\n", "fsdp_config.fsdp_mystery is not read"),
     ("mystery: 1\n", "mystery is not read"),

@@ -682,13 +682,11 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
         if name not in ACCELERATE_IGNORED and name not in ACCELERATE_TOP_KEYS:
             close = difflib.get_close_matches(name, sorted(ACCELERATE_TOP_KEYS | ACCELERATE_IGNORED), n=1,
                                               cutoff=0.8) if isinstance(name, str) and len(name) <= 100 else []
-            if close and name != "fp8_config":  # a misspelled setting would stay at its default: another job
+            if close:  # a misspelled setting would stay at its default: another job
                 raise PlannerError(f"accelerate config '{cfg.path}': {shown_key(name)} is not a key of the "
                                    f"config (did you mean {close[0]}?): as written, the setting would stay at its "
                                    "default")
-            cfg.notes.append(f"{shown_key(name)} is not read: " + (
-                "the job is simulated without float8 (--float8 plans torchao's)" if name == "fp8_config" else
-                "fsdp-planner does not know it"))
+            cfg.notes.append(f"{shown_key(name)} is not read: fsdp-planner does not know it")
     for name in fsdp:
         if name not in ACCELERATE_IGNORED and name not in ACCELERATE_FSDP_KEYS:
             _unknown_key(cfg, "fsdp_config", name, ACCELERATE_FSDP_KEYS | ACCELERATE_IGNORED)
@@ -719,7 +717,7 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
 
 
 ACCELERATE_TOP_KEYS = frozenset({"fsdp_config", "mixed_precision", "num_processes", "num_machines", "dynamo_config",
-                                 "dynamo_backend", "parallelism_config"})  # read, beside ACCELERATE_IGNORED
+                                 "dynamo_backend", "parallelism_config", "fp8_config"})  # read (and ACCELERATE_IGNORED)
 ACCELERATE_FSDP_KEYS = {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
                         "fsdp_min_num_params", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
                         "fsdp_activation_checkpointing", "fsdp_offload_params"}
@@ -925,9 +923,48 @@ def _accelerate_precision(cfg: JobConfig, data: dict[str, Any]) -> None:
     if mp == "fp16":
         cfg.notes.append("mixed_precision = fp16 is simulated as bf16-mixed: the same bytes and FLOPs (no loss "
                          f"scaling modelled); {reduced}")
-    if mp == "fp8":
-        cfg.notes.append("mixed_precision = fp8 is left out: simulated as bf16-mixed, the dtype of its all-gathers; "
-                         f"{reduced}")
+    _accelerate_float8(cfg, mp, data.get("fp8_config"), reduced)
+
+
+# fp8_config's keys for torchao's backend (accelerate config writes them; ``AORecipeKwargs`` reads them from the
+# launcher's ACCELERATE_FP8_* variables)
+ACCELERATE_AO_KEYS = {"backend", "enable_fsdp_float8_all_gather", "pad_inner_dim"}
+
+
+def _accelerate_float8(cfg: JobConfig, mp: str, fp8: Any, reduced: str) -> None:
+    """``mixed_precision: fp8`` as Accelerate 1.16 runs it: its backend ``fp8_config.backend``, else torchao's where
+    installed (``Accelerator``: AO before TE). torchao's (``AORecipeKwargs``, ``_prepare_ao``) is ``--float8
+    tensorwise``: ``Float8LinearConfig(pad_inner_dim=True, enable_fsdp_float8_all_gather=...)`` (default on), the
+    scales precomputed after each optimizer step where the all-gather is on, every Linear converted but the model's
+    first and last (``filter_first_and_last_linear_layers``) and those of a dim not a multiple of 16. Transformer
+    Engine's and MS-AMP's are not modelled (bf16-mixed, said); FSDP1 with float8 neither."""
+    if fp8 is not None and not isinstance(fp8, dict):
+        raise _bad(cfg, "fp8_config", fp8, "a mapping (backend: AO, enable_fsdp_float8_all_gather: true, ...)")
+    table = fp8 or {}
+    if mp != "fp8":
+        if table:
+            cfg.notes.append(f"fp8_config is not read: mixed_precision = {mp}, so Accelerate trains without float8")
+        return
+    backend = str(table.get("backend", "AO")).upper()
+    cfg.keys["fp8_config.backend"] = backend
+    if backend != "AO" or cfg.fsdp1:
+        why = "FSDP1 (fsdp_version 1)" if backend == "AO" else f"fp8_config.backend = {backend} (Transformer " \
+            "Engine's or MS-AMP's float8, not torchao's)"
+        cfg.notes.append(f"mixed_precision = fp8 under {why} is not modelled: simulated as bf16-mixed, the dtype of "
+                         f"its all-gathers; {reduced}")
+        return
+    for key in table:
+        if key not in ACCELERATE_AO_KEYS:
+            cfg.notes.append(f"fp8_config.{shown_key(key)} is not read: torchao's backend does not take it")
+    key = "fp8_config.enable_fsdp_float8_all_gather"
+    cfg.float8 = "tensorwise"
+    cfg.float8_all_gather = cfg.keys[key] = _bool(cfg, key, table.get("enable_fsdp_float8_all_gather", True))
+    cfg.notes.append("mixed_precision = fp8 with torchao's backend (AO" + ("" if "backend" in table else
+                     ": fp8_config names none, and Accelerate takes torchao's where it is installed") +
+                     "): torchao's tensorwise float8 of the Linears (--float8 tensorwise), their FSDP2 all-gather in "
+                     f"float8 {'with precomputed scales' if cfg.float8_all_gather else 'off'}; Accelerate also "
+                     "leaves the model's first Linear in bf16 (its last, the output head, is left so here too), "
+                     f"simulated in float8; {reduced}")
 
 
 def world_of(cfg: JobConfig, cluster_world: int | None) -> int | None:

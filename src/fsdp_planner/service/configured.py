@@ -507,9 +507,12 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
     _compiled(m)
     _loss_chunks(m)
     if cfg.float8:
-        m.given("float8", cfg.float8, "the float8 converter's recipe_name")
+        accelerate = cfg.kind == ACCELERATE
+        m.given("float8", cfg.float8, "mixed_precision = fp8 (torchao's backend, tensorwise)" if accelerate else
+                "the float8 converter's recipe_name")
         if cfg.float8 == "tensorwise":  # (rowwise gathers bf16 whatever the key says: nothing to give)
-            m.given("float8_all_gather", cfg.float8_all_gather, "enable_fsdp_float8_all_gather")
+            m.given("float8_all_gather", cfg.float8_all_gather,
+                    f"{'fp8_config.' if accelerate else ''}enable_fsdp_float8_all_gather")
         if cfg.float8_tp_all_gather and m.values["float8_tp_all_gather"] is not False:  # (a reading of the
             # TOML's time, not a key of it: --no-float8-tp-all-gather turns it off)
             m.values["float8_tp_all_gather"] = True
