@@ -290,8 +290,11 @@ def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = Fa
         with kernel(spec.attention):
             trace(lm.model, lm.example_inputs, lm.loss_fn, routing=spec.routing or DEFAULT_CAPACITY)
     except Exception as e:
-        reason = (f"one TP rank's step fails ({model_error(e)}); its code fixes a shape the layout splits (e.g. a "
-                  "view into a fixed head count, or a reshape back to the whole width instead of -1)")
+        said = model_error(e)
+        fused = " (a fused projection split into fixed widths, a qkv's: give it colwise_gather, its output gathered " \
+            "whole, as the detected layouts do)" if "split_with_sizes" in said and plan_file else ""
+        reason = (f"one TP rank's step fails ({said}); its code fixes a shape the layout splits (e.g. a view into a "
+                  f"fixed head count, or a reshape back to the whole width instead of -1){fused}")
         raise LayoutDoesNotRun(f"{layout} does not run on this model: {reason}: {fix}", reason) from e
     finally:
         for h in handles:
