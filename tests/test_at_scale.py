@@ -58,16 +58,19 @@ def test_a_plan_carried_onto_a_model_that_ties_what_it_kept_apart_joins_the_grou
     tied when tiny)."""
     big = traced("tests/fixtures/tp_llama.py:llama3_8b_shaped")
     tied = traced("tests/fixtures/tp_llama.py:tied_llama")
-    plan = make_plan(big, [["tok_embeddings"], ["layers.0"], ["layers.1"], ["norm", "output"]])
+    plan = make_plan(big, [["tok_embeddings"], ["layers.0"], ["layers.1"], ["output"]])
     plan = plan.with_group(1, forward_prefetch=[2]).with_group(3, backward_prefetch=[2])
+    plan = plan.with_group(2, backward_prefetch=[1, 0])
     out, notes = onto_job(plan, big, tied, 2, "mapped")
     check_plan_matches(out, tied)
-    joined = next(g for g in out.inner_groups if "output" in g.modules)
-    assert "tok_embeddings" in joined.modules
-    layer0 = next(i for i, g in enumerate(out.groups) if "layers.0" in g.modules)
-    layer1 = next(i for i, g in enumerate(out.groups) if "layers.1" in g.modules)
-    assert list(out.groups[layer0].forward_prefetch) == [layer1]
-    assert any("the 4 groups carried over are regrouped on this model, as 4" in n for n in notes)
+    at = {m: i for i, g in enumerate(out.groups) for m in g.modules}
+    assert at["tok_embeddings"] == at["output"]  # joined: one weight
+    assert list(out.groups[at["layers.0"]].forward_prefetch) == [at["layers.1"]]
+    # the joined group holds the head's list (it was lost), and a list naming the embedding names the joined group
+    assert list(out.groups[at["output"]].backward_prefetch) == [at["layers.1"]]
+    assert list(out.groups[at["layers.1"]].backward_prefetch) == [at["layers.0"], at["output"]]
+    assert any("the 4 groups carried over are regrouped on this model, as 3" in n for n in notes)
+    assert not any("prefetch" in n for n in notes)  # (no target was left out)
 
 
 def test_the_job_s_own_plan_keeps_its_groups_prefetch_and_sub_groups_that_fit(toy):

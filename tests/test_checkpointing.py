@@ -496,6 +496,15 @@ def test_blocks_held_as_attributes_are_checkpointed_compiled_and_kept_whole(tmp_
     assert main(["plan", f"{path}:build", "--policy", "titan", "--ac", "full", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["plans"][0]["plan"]
     assert plan["activation_checkpointing"] == ["block0", "block1", "block2"]
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+    from fsdp_planner.service.planning import policy_plan
+    from fsdp_planner.service.tracing import trace_spec
+
+    assert set(trace_spec(ModelSpec(f"{path}:build", compile=True)).compiled) == {"block0", "block1", "block2"}
+    order = policy_plan(tr, PolicyRequest(PolicyName.ORDER), f"{path}:build", parse_cluster("h100:8"))
+    assert all(any(b in g.modules for g in order.groups) for b in ("block0", "block1", "block2"))  # kept whole
     linears = tmp_path / "linears.py"
     linears.write_text("import torch\nfrom torch import nn\n\n\ndef build(batch_size: int = 2):\n"
                        "    model = nn.Module()\n    model.a, model.b = nn.Linear(8, 8), nn.Linear(8, 8)\n"

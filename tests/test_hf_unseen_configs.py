@@ -351,6 +351,9 @@ def test_a_decoder_config_naming_a_classifier_is_planned_as_its_causal_lm_and_sa
     err = " ".join(capsys.readouterr().err.split())
     assert "the config names MistralForSequenceClassification: planned as transformers' causal LM of it (the task " \
            "follows model_type), with its vocabulary head (" in err
+    backbone = _config(tmp_path, "backbone", {**MISTRAL, "architectures": ["MistralModel"]})  # (an embedding model)
+    assert main(["plan", backbone, "--policy", "module", "--batch", "2"]) == 0
+    assert "next-token loss, which that backbone has not" in " ".join(capsys.readouterr().err.split())
     lm = _config(tmp_path, "lm", {**MISTRAL, "architectures": ["MistralForCausalLM"]})
     assert main(["plan", lm, "--policy", "module", "--batch", "2"]) == 0
     assert "the config names" not in capsys.readouterr().err

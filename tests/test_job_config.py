@@ -128,6 +128,7 @@ def test_torchtitan_compile_of_the_loss_alone_leaves_the_blocks_eager(tmp_path):
 
 @pytest.mark.parametrize(("text", "all_gather"), [
     ("mixed_precision: fp8\n", True),  # no fp8_config: Accelerate takes torchao's where installed, all-gather on
+    ("mixed_precision: fp8\nfp8_config:\n  backend: 'NO'\n", True),  # (FP8BackendType's value for none named)
     ("mixed_precision: fp8\nfp8_config:\n  backend: AO\n  enable_fsdp_float8_all_gather: false\n", False),
 ])
 def test_accelerate_fp8_with_torchao_is_float8_tensorwise(tmp_path, text, all_gather):
@@ -141,6 +142,9 @@ def test_accelerate_fp8_with_torchao_is_float8_tensorwise(tmp_path, text, all_ga
     bf16 = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\nmixed_precision: bf16\n"
                                                        "fp8_config:\n  backend: AO\n")))
     assert not bf16.float8 and any("fp8_config is not read: mixed_precision = bf16" in n for n in bf16.notes)
+    extra = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\nmixed_precision: fp8\n"
+                                                        "fp8_config:\n  backend: AO\n  margin: 0\n")))
+    assert "fp8_config.margin is not read: torchao's backend does not take it" in extra.notes
 
 
 @pytest.mark.parametrize(("text", "error"), [

@@ -1372,3 +1372,61 @@ def test_a_loss_loss_parallel_cannot_run_fails_with_the_way_out(capsys):
     assert main(argv) == 2
     assert "plan with --no-loss-parallel for this loss" in " ".join(capsys.readouterr().err.split())
     assert main([*argv, "--no-loss-parallel"]) == 0
+
+
+def test_a_tp_plan_s_out_line_names_the_batch_it_records(tmp_path):
+    """TP d runs d x the batch on each data-parallel rank, which the plan records: the --out line names it for
+    simulate and verify (a trial's simulate of auto's TP 2 plan ran the command's batch, 121 ms for the plan's
+    188), and simulate given the line's flags reads the plan's step."""
+    import json
+
+    from conftest import run_main
+
+    out = tmp_path / "tp.json"
+    r = run_main("plan", "toy-llama", "--policy", "titan", "--tp", "2", "--cluster", "h100:4", "--precision", "fp32",
+                 "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    step = json.loads(r.stdout)["plans"][0]["simulation"]["step_time"]
+    recorded = json.loads(out.read_text())["workload"]["batch"]
+    r = run_main("plan", "toy-llama", "--policy", "titan", "--tp", "2", "--cluster", "h100:4", "--precision", "fp32",
+                 "--out", str(out), "--force")
+    line = r.stdout.strip().splitlines()[-1]
+    assert f"(simulated with --batch {recorded} --precision fp32: give simulate and verify the same)" in line, line
+    flags = line.split("(simulated with ")[1].split(":")[0].split()
+    r = run_main("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:4", *flags, "--json")
+    assert json.loads(r.stdout)["step_time"] == step
+
+
+FUSED_QKV = '''import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(64, 128), nn.Linear(64, 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)  # a fused projection split into fixed widths
+        return self.proj(q * torch.cat([k, v], dim=-1))
+
+
+def build(batch_size: int = 2):
+    model = nn.Sequential(Attn(), Attn())
+    return model, (torch.randn(batch_size, 4, 64),), lambda o: o.square().mean()
+'''
+
+
+def test_a_plan_file_s_colwise_fused_projection_is_told_colwise_gather(tmp_path):
+    """A fused qkv given colwise splits its output by the whole widths on a TP rank: the one-rank step fails, and
+    the sentence names colwise_gather (its output gathered whole), which runs (a trial's fused LM)."""
+    from fsdp_planner.service.tracing import LayoutDoesNotRun, check_local_shapes
+
+    path = tmp_path / "fused.py"
+    path.write_text(FUSED_QKV)
+    spec = ModelSpec(f"{path}:build")
+    bad = TensorParallel(2, {"*.qkv": TPStyle.COLWISE, "*.proj": TPStyle.ROWWISE})
+    with pytest.raises(LayoutDoesNotRun, match=r"split_with_sizes.*give it colwise_gather, its output gathered whole"):
+        check_local_shapes(spec, bad, plan_file=True)
+    check_local_shapes(spec, TensorParallel(2, {"*.qkv": TPStyle.COLWISE_GATHER, "*.proj": TPStyle.ROWWISE_SPLIT}),
+                       plan_file=True)

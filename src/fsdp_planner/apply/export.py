@@ -32,6 +32,7 @@ from fsdp_planner.apply.chunked_loss import CHUNKED_LOSS_FUNCTIONS
 from fsdp_planner.apply.compile import waited_inputs
 from fsdp_planner.apply.expert_parallel import expert_reduction, local_forward
 from fsdp_planner.apply.fully_shard import module_parents
+from fsdp_planner.apply.tensor_parallel import required_inputs_positional
 from fsdp_planner.apply.torchtitan_job import torchtitan_job
 from fsdp_planner.choices import DEFAULT_PRECISION, KERNEL_PACKAGES, ExportFormat, ReduceDtype
 from fsdp_planner.errors import PlannerError
@@ -699,7 +700,7 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     float8 = _float8_styled(modules, styles) if FLOAT8_TP else set()
     for name, style in styles.items():  # (before the styles' own hooks, which read positional inputs)
         if style in ("gather_input", "moe_sequence"):
-            modules[name].register_forward_pre_hook(_required_inputs_positional, with_kwargs=True)
+            modules[name].register_forward_pre_hook(required_inputs_positional, with_kwargs=True)
     parallelize_module(model, tp_mesh, {n: _tp_style(s, modules[n], n in float8) for n, s in styles.items()
                                         if s not in moe})
     for name, style in styles.items():  # experts first: the MoE layer's distribute_module replicates the rest
@@ -737,18 +738,6 @@ def _float8_styled(modules: dict[str, nn.Module], styles: dict[str, str]) -> set
         if style == "gather_input" and readers and all(m in out for m in readers):
             out.add(name)
     return out
-
-
-def _required_inputs_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The required inputs a call gave as keywords (transformers' self_attn(hidden_states=...)) put in their
-    positional places: gather_input and moe_sequence redistribute the first positional input."""
-    params = inspect.signature(module.forward).parameters.values()
-    required = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                and p.default is p.empty]
-    moved = [n for n in required[len(args):] if n in kwargs]
-    if not moved or moved != required[len(args):len(args) + len(moved)]:
-        return args, kwargs
-    return (*args, *(kwargs[n] for n in moved)), {k: v for k, v in kwargs.items() if k not in moved}
 
 
 def _tp_style(style: str, module: nn.Module, float8: bool = False) -> Any:
@@ -922,6 +911,7 @@ def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParal
     tail = TP_TAIL.replace("{expert_dims}", py_literal(EXPERT_TENSOR_DIMS)).replace(
         "{packed_dims}", py_literal({TPStyle.MOE_TP_EXPERTS.value: MOE_TP_EXPERT_DIMS,
                                      TPStyle.MOE_TP_EXPERTS_IN_OUT.value: MOE_TP_EXPERT_IN_OUT_DIMS}))
+    tail += "\n\n" + inspect.getsource(required_inputs_positional)  # (apply's own, written in)
     return header + TP_IMPORTS, constants + tp_constants(tp, float8), body[:start] + body[end:] + tail
 
 

@@ -933,11 +933,11 @@ ACCELERATE_AO_KEYS = {"backend", "enable_fsdp_float8_all_gather", "pad_inner_dim
 
 def _accelerate_float8(cfg: JobConfig, mp: str, fp8: Any, reduced: str) -> None:
     """``mixed_precision: fp8`` as Accelerate 1.16 runs it: its backend ``fp8_config.backend``, else torchao's where
-    installed (``Accelerator``: AO before TE). torchao's (``AORecipeKwargs``, ``_prepare_ao``) is ``--float8
-    tensorwise``: ``Float8LinearConfig(pad_inner_dim=True, enable_fsdp_float8_all_gather=...)`` (default on), the
-    scales precomputed after each optimizer step where the all-gather is on, every Linear converted but the model's
-    first and last (``filter_first_and_last_linear_layers``) and those of a dim not a multiple of 16. Transformer
-    Engine's and MS-AMP's are not modelled (bf16-mixed, said); FSDP1 with float8 neither."""
+    installed (``Accelerator``: AO before TE; ``NO`` names none). torchao's (``AORecipeKwargs``, ``_prepare_ao``)
+    is ``--float8 tensorwise``: ``Float8LinearConfig(pad_inner_dim=True, enable_fsdp_float8_all_gather=...)``
+    (default on), the scales precomputed after each optimizer step where the all-gather is on, every Linear
+    converted but the model's first and last (``filter_first_and_last_linear_layers``) and those of a dim not a
+    multiple of 16. Transformer Engine's is not modelled (bf16-mixed, said); FSDP1 with float8 neither."""
     if fp8 is not None and not isinstance(fp8, dict):
         raise _bad(cfg, "fp8_config", fp8, "a mapping (backend: AO, enable_fsdp_float8_all_gather: true, ...)")
     table = fp8 or {}
@@ -945,11 +945,13 @@ def _accelerate_float8(cfg: JobConfig, mp: str, fp8: Any, reduced: str) -> None:
         if table:
             cfg.notes.append(f"fp8_config is not read: mixed_precision = {mp}, so Accelerate trains without float8")
         return
-    backend = str(table.get("backend", "AO")).upper()
+    named = table.get("backend")
+    # (NO, Accelerate's FP8BackendType for none named, or a null: torchao's where installed, as with no key)
+    backend = "AO" if named is None or str(named).upper() == "NO" else str(named).upper()
     cfg.keys["fp8_config.backend"] = backend
     if backend != "AO" or cfg.fsdp1:
         why = "FSDP1 (fsdp_version 1)" if backend == "AO" else f"fp8_config.backend = {backend} (Transformer " \
-            "Engine's or MS-AMP's float8, not torchao's)"
+            "Engine's float8, not torchao's)"
         cfg.notes.append(f"mixed_precision = fp8 under {why} is not modelled: simulated as bf16-mixed, the dtype of "
                          f"its all-gathers; {reduced}")
         return
@@ -959,7 +961,8 @@ def _accelerate_float8(cfg: JobConfig, mp: str, fp8: Any, reduced: str) -> None:
     key = "fp8_config.enable_fsdp_float8_all_gather"
     cfg.float8 = "tensorwise"
     cfg.float8_all_gather = cfg.keys[key] = _bool(cfg, key, table.get("enable_fsdp_float8_all_gather", True))
-    cfg.notes.append("mixed_precision = fp8 with torchao's backend (AO" + ("" if "backend" in table else
+    cfg.notes.append("mixed_precision = fp8 with torchao's backend (AO" + ("" if named is not None and
+                                                                          str(named).upper() == "AO" else
                      ": fp8_config names none, and Accelerate takes torchao's where it is installed") +
                      "): torchao's tensorwise float8 of the Linears (--float8 tensorwise), their FSDP2 all-gather in "
                      f"float8 {'with precomputed scales' if cfg.float8_all_gather else 'off'}; Accelerate also "

@@ -816,7 +816,6 @@ def _shown(spec: str) -> str:
     return spec if len(spec) <= 40 else f"{spec[:30]}...({len(spec)} characters)"
 
 
-@checked
 def _layout_example(name: str, gpus: int) -> str:
     """An example NODESxGPUS for ``gpus`` GPUs on equal nodes of at most ``MAX_GPUS_PER_NODE`` (the fewest nodes),
     for the refusal of a count that is no whole number of full nodes; "" where none is (a prime count)."""
@@ -824,6 +823,7 @@ def _layout_example(name: str, gpus: int) -> str:
     return f" (e.g. {name}:{nodes}x{gpus // nodes} for {gpus} GPUs on {nodes} nodes)" if nodes else ""
 
 
+@checked
 def parse_cluster(spec: str) -> Cluster:
     """``h100:64`` (8 nodes of 8), ``h100:4`` (4 GPUs, one node), ``a100:16x8`` (16 nodes x 8), a JSON path.
 

@@ -397,13 +397,15 @@ def head_note(model: nn.Module) -> str | None:
     if config is None or task_of(config) is not HfTask.CAUSAL_LM or is_encoder(config.model_type):
         return None
     archs = [str(a) for a in getattr(config, "architectures", None) or []]
-    if not archs or any(a.endswith(LM_HEADS) for a in archs):
+    if not archs or any(a.endswith(LM_HEADS) or "LMHead" in a for a in archs):
         return None
     head = getattr(model, "lm_head", None)
     numel = sum(p.numel() for p in head.parameters()) if isinstance(head, nn.Module) else 0
+    # a bare backbone (an embedding model's MistralModel) has no head; a classifier's replaces the vocabulary's
+    other = "which that backbone has not" if archs[0].endswith("Model") else "which that class replaces with its own"
     return (f"the config names {archs[0]}: planned as transformers' causal LM of it (the task follows model_type), "
-            f"with its vocabulary head ({numel:,} params), logits and next-token loss, which that class replaces with "
-            "its own head: the plan's memory and step are a causal LM's")
+            f"with its vocabulary head ({numel:,} params), logits and next-token loss, {other}: the plan's memory "
+            "and step are a causal LM's")
 
 
 IMAGENET_SIZE = 224  # the crop of ImageNet training, which a CNN config without image_size (ResNet, RegNet, BiT)

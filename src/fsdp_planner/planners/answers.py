@@ -347,10 +347,8 @@ def _memory_spendable(plan: Plan, base: StepReport, budget: MemoryBudget) -> boo
                 or plan.offload or base.reserved_memory > MEMORY_BOUND_SHARE * budget.limit)
 
 
-def _memory_fix(plan: Plan, base: StepReport, budget: MemoryBudget, keep: str, change: str, freed: float) -> str:
-    """The fix of a change that buys memory alone: ``change`` where the plan can spend it, else ``keep``."""
-    if _memory_spendable(plan, base, budget):
-        return f"{change}: {freed:.0%} of the peak freed for auto to spend"
+def _buys_nothing(keep: str, base: StepReport, budget: MemoryBudget, freed: float) -> str:
+    """The fix of a change whose only gain is memory the plan cannot spend (``_memory_spendable``)."""
     return (f"{keep}: the {freed:.0%} of the peak it frees buys nothing here (no checkpointing or offloading to "
             f"drop, the peak {fmt_bytes(base.reserved_memory)} of the {fmt_bytes(budget.limit)} budget)")
 
@@ -369,11 +367,11 @@ def compile_loss_answer(other: Trace, plan: Plan, cluster: Cluster, options: Sim
         if freed < LOSS_MEMORY_PAYS and not _pays(base, alt, budget):
             return None  # (the loss is not the plan's peak: nothing to say)
         what = f"torch.compile of the loss (--compile-loss): {_versus(base, alt, budget)}"
-        fix = ("compile the loss (loss_fn = torch.compile(loss_fn)) and plan with --compile-loss: it is faster"
-               if _pays(base, alt, budget) else
-               _memory_fix(plan, base, budget, "keep the loss eager",
-                           "compile the loss (loss_fn = torch.compile(loss_fn); torchtitan's compile.components "
-                           "\"loss\") and plan with --compile-loss", freed))
+        change = ("compile the loss (loss_fn = torch.compile(loss_fn); torchtitan's compile.components \"loss\") "
+                  "and plan with --compile-loss")
+        fix = (f"{change}: it is faster" if _pays(base, alt, budget) else
+               f"{change}: {freed:.0%} of the peak freed for auto to spend" if _memory_spendable(plan, base, budget)
+               else _buys_nothing("keep the loss eager", base, budget, freed))
     else:
         what = f"the same plan with the loss eager (no torch.compile): {_versus(base, alt, budget)}"
         fix = ("keep the loss compiled: eager, the plan is over the budget" if not budget.fits(alt.reserved_memory)
@@ -400,11 +398,14 @@ def loss_chunks_answer(other: Trace, plan: Plan, cluster: Cluster, options: SimO
         n = other.loss_chunks
         what = f"the loss in {n} chunks (--loss-chunks {n}): {_versus(base, alt, budget)}"
         slower = alt.step_time > base.step_time * (1 + NEGLIGIBLE)
-        if not _memory_spendable(plan, base, budget) and not _pays(base, alt, budget):
-            fix = _memory_fix(plan, base, budget, "keep the loss whole", "", freed)
+        change = f"run the output layer and the loss in chunks (torchtitan's ChunkedLossWrapper) and plan with " \
+            f"--loss-chunks {n}"
+        if _pays(base, alt, budget):
+            fix = f"{change}: it is faster"
+        elif not _memory_spendable(plan, base, budget):
+            fix = _buys_nothing("keep the loss whole", base, budget, freed)
         else:
-            fix = (f"run the output layer and the loss in chunks (torchtitan's ChunkedLossWrapper) and plan with "
-                   f"--loss-chunks {n}: {freed:.0%} of the peak freed for auto to spend"
+            fix = (f"{change}: {freed:.0%} of the peak freed for auto to spend"
                    + ("; on this plan's groups they cost time (a group of the output layer alone queues FSDP2's "
                       "final callback after each chunk, which drops the model's backward prefetches; one shared "
                       "with the norm is gathered twice more): auto, planning with them, groups around that"

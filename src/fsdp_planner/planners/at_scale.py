@@ -10,7 +10,8 @@ model of the same family (``--plan-model``), and this module carries that groupi
 - ``reshard_after_forward``: kept, but an int sub-group size that does not divide the job's ranks becomes True
   (reshard in full: the intra-node sub-group has no counterpart on a few CPU ranks);
 - the HSDP layout: the job runs plain FSDP over its ranks (the replicas' all-reduce is not proven);
-- prefetch lists: kept, their targets renumbered as the groups carried over are (those of groups left out left out);
+- prefetch lists: kept, their targets renumbered as the groups carried over are (those of groups left out left out;
+  a group the job's model joins to another, one tied param between them, has the lists of both);
 - activation checkpointing: the modules the job's model has.
 What is proven is the grouping's mechanics (claims, collectives and their bytes, training parity), not its speed.
 """
@@ -52,39 +53,40 @@ def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> 
                      "model does not have (blocks deeper than its own, or modules it names otherwise) and are left "
                      "out")
     out = make_plan(job, [ms for _, ms, _ in kept], [r for _, _, r in kept], policy=label, model=plan.model)
-    # each of the job's groups carries the first plan's group it shares a module with: make_plan joins the groups
-    # of a param tied across them, and splits or drops others, where the job's model differs from the planned one
-    origin = [next((old for old, ms, _ in kept
-                    if any(is_within(m, k) or is_within(k, m) for m in g.modules for k in ms)), None)
-              for g in out.inner_groups]
     if [list(g.modules) for g in out.inner_groups] != [ms for _, ms, _ in kept]:
         notes.append(f"the {fmt_count(len(kept), 'group')} carried over are regrouped on this model, as "
-                     f"{len(out.inner_groups)} (the modules sharing a param it ties go into one group; a group "
-                     "claiming no param of its own is dropped)")
-    at = {len(plan.inner_groups): len(out.inner_groups)}  # the root: last
-    for new, old in enumerate(origin):
-        if old is not None:
-            at.setdefault(old, new)
-    groups = [g if old is None else _prefetching(g, plan.groups[old], at, notes)
-              for g, old in zip(out.inner_groups, origin, strict=True)]
-    out = replace(out, groups=[*groups, _prefetching(replace(out.root, reshard_after_forward=reshard[-1]),
-                                                     plan.root, at, notes)],
+                     f"{len(out.inner_groups)} (make_plan: the modules sharing a param it ties go into one group, a "
+                     "module of another dtype apart, a group claiming no param of its own is dropped)")
+    # each carried group's home: the job's group holding its modules (make_plan joins, splits or drops groups where
+    # the job's model differs from the planned one); a group's prefetch lists are those of the groups it holds
+    home = {old: new for old, ms, _ in kept
+            if (new := next((i for i, g in enumerate(out.inner_groups)
+                             if any(is_within(m, k) or is_within(k, m) for m in g.modules for k in ms)), None))
+            is not None}
+    home[len(plan.inner_groups)] = len(out.inner_groups)  # the root: last
+    groups = [_prefetching(g, new, [plan.groups[old] for old, at in home.items() if at == new], home, notes)
+              for new, g in enumerate(out.inner_groups)]
+    root = _prefetching(replace(out.root, reshard_after_forward=reshard[-1]), len(out.inner_groups), [plan.root],
+                        home, notes)
+    out = replace(out, groups=[*groups, root],
                   activation_checkpointing=[m for m in plan.activation_checkpointing if m in job.modules])
     carried = sum(job.param(p).numel for g in out.inner_groups for p in g.params)
-    if carried * 2 < job.numel:  # (a plan of other module names: the job's root would hold most of it)
-        notes.append(f"the groups carried over hold {carried / job.numel:.0%} of this model's params, the root the "
-                     "rest: most of the plan's module names are not this model's, so the run proves little of it "
+    if carried * 2 < job.numel:  # (the job's root holds most of it: little of the plan's grouping is run)
+        notes.append(f"the groups carried over hold {carried / job.numel:.0%} of this model's params, its root the "
+                     "rest (the modules the plan's groups do not name): the run proves little of the plan's grouping "
                      "(--plan-model should be the same model code at another size)")
     return out, notes
 
 
-def _prefetching(group: Group, planned: Group, at: dict[int, int], notes: list[str]) -> Group:
-    """``group`` with the prefetch lists of the group it carries (``planned``), its targets renumbered by ``at``
-    (old index -> new); targets left out with their groups are noted once."""
+def _prefetching(group: Group, index: int, planned: list[Group], at: dict[int, int], notes: list[str]) -> Group:
+    """``group`` (the job's group ``index``) with the prefetch lists of the groups it holds (``planned``), their
+    targets renumbered by ``at`` (old index -> new), each once and none its own; targets left out with their
+    groups are noted once."""
     lists = []
-    for targets in (planned.forward_prefetch, planned.backward_prefetch):
-        lists.append(tuple(at[j] for j in targets if j in at))
-        if len(lists[-1]) < len(targets) and not any("prefetch" in n for n in notes):
+    for kind in ("forward_prefetch", "backward_prefetch"):
+        targets = [j for p in planned for j in getattr(p, kind)]
+        lists.append(tuple(dict.fromkeys(at[j] for j in targets if j in at and at[j] != index)))
+        if any(j not in at for j in targets) and not any("prefetch" in n for n in notes):
             notes.append("the prefetch lists' targets among the groups left out are left out too")
     return replace(group, forward_prefetch=lists[0], backward_prefetch=lists[1])
 

@@ -619,7 +619,7 @@ def hf_tp_layout(model: str) -> str:
 def _tp_advice_note(cfg: JobConfig, old: Setting, new: Setting, model: str, reporter: Reporter) -> None:
     """Auto's TP advice on a torchtitan job built as transformers' modules: priced on a layout torchtitan does not
     run (a trial)."""
-    if cfg.kind == TORCHTITAN and new.tp != old.tp and new.tp > 1 and model.startswith("hf:"):
+    if cfg.kind == TORCHTITAN and new.tp != old.tp and new.tp > 1 and model.startswith("hf:") and cfg.plan is None:
         reporter.note(f"auto's TP {new.tp} would run torchtitan's own layout for {cfg.model_label}, and its figures "
                       f"here are of {hf_tp_layout(model)}")
 
