@@ -57,13 +57,7 @@ def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> 
         notes.append(f"the {fmt_count(len(kept), 'group')} carried over are regrouped on this model, as "
                      f"{len(out.inner_groups)} (make_plan: the modules sharing a param it ties go into one group, a "
                      "module of another dtype apart, a group claiming no param of its own is dropped)")
-    # each carried group's home: the job's group holding its modules (make_plan joins, splits or drops groups where
-    # the job's model differs from the planned one); a group's prefetch lists are those of the groups it holds
-    home = {old: new for old, ms, _ in kept
-            if (new := next((i for i, g in enumerate(out.inner_groups)
-                             if any(is_within(m, k) or is_within(k, m) for m in g.modules for k in ms)), None))
-            is not None}
-    home[len(plan.inner_groups)] = len(out.inner_groups)  # the root: last
+    home = _homes(plan, out, [(old, ms) for old, ms, _ in kept])
     groups = [_prefetching(g, new, [plan.groups[old] for old, at in home.items() if at == new], home, notes)
               for new, g in enumerate(out.inner_groups)]
     root = _prefetching(replace(out.root, reshard_after_forward=reshard[-1]), len(out.inner_groups), [plan.root],
@@ -76,6 +70,18 @@ def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> 
                      "rest (the modules the plan's groups do not name): the run proves little of the plan's grouping "
                      "(--plan-model should be the same model code at another size)")
     return out, notes
+
+
+def _homes(plan: Plan, out: Plan, kept: list[tuple[int, list[str]]]) -> dict[int, int]:
+    """Each carried group's home (its index in ``plan`` -> in ``out``): the job's group holding its modules
+    (make_plan joins, splits or drops groups where the job's model differs from the planned one; a group's prefetch
+    lists are then those of the groups it holds); the root's, last."""
+    home = {old: new for old, ms in kept
+            if (new := next((i for i, g in enumerate(out.inner_groups)
+                             if any(is_within(m, k) or is_within(k, m) for m in g.modules for k in ms)), None))
+            is not None}
+    home[len(plan.inner_groups)] = len(out.inner_groups)
+    return home
 
 
 def _prefetching(group: Group, index: int, planned: list[Group], at: dict[int, int], notes: list[str]) -> Group:

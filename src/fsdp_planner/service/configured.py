@@ -386,6 +386,16 @@ def _tensor_parallel(m: _Merge, world: int) -> None:
         m.given("async_tp", True, "enable_async_tensor_parallel", False)
 
 
+def _float8_given(m: _Merge, cfg: JobConfig) -> None:
+    """The job's float8 recipe and FSDP2 float8 all-gather, by the keys its file spells them with."""
+    accelerate = cfg.kind == ACCELERATE
+    m.given("float8", cfg.float8, "mixed_precision = fp8 (torchao's backend, tensorwise)" if accelerate else
+            "the float8 converter's recipe_name")
+    if cfg.float8 == "tensorwise":  # (rowwise gathers bf16 whatever the key says: nothing to give)
+        m.given("float8_all_gather", cfg.float8_all_gather,
+                f"{'fp8_config.' if accelerate else ''}enable_fsdp_float8_all_gather")
+
+
 def _count_key(cfg: JobConfig) -> str:
     return "no num_processes" if cfg.kind == ACCELERATE else "data_parallel_shard_degree = -1"
 
@@ -507,12 +517,7 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
     _compiled(m)
     _loss_chunks(m)
     if cfg.float8:
-        accelerate = cfg.kind == ACCELERATE
-        m.given("float8", cfg.float8, "mixed_precision = fp8 (torchao's backend, tensorwise)" if accelerate else
-                "the float8 converter's recipe_name")
-        if cfg.float8 == "tensorwise":  # (rowwise gathers bf16 whatever the key says: nothing to give)
-            m.given("float8_all_gather", cfg.float8_all_gather,
-                    f"{'fp8_config.' if accelerate else ''}enable_fsdp_float8_all_gather")
+        _float8_given(m, cfg)
         if cfg.float8_tp_all_gather and m.values["float8_tp_all_gather"] is not False:  # (a reading of the
             # TOML's time, not a key of it: --no-float8-tp-all-gather turns it off)
             m.values["float8_tp_all_gather"] = True
