@@ -359,6 +359,20 @@ def test_a_decoder_config_naming_a_classifier_is_planned_as_its_causal_lm_and_sa
     assert "the config names" not in capsys.readouterr().err
 
 
+def test_a_config_asking_for_untied_embeddings_that_transformers_ties_says_so(tmp_path, capsys):
+    """T5's config class forces tie_word_embeddings (transformers 5): a T5 v1.1 config asking for untied
+    embeddings was built tied, one embedding fewer than its checkpoint, without a word (a trial); said now, and not
+    for a config that ties them itself."""
+    t5 = {"model_type": "t5", "d_model": 32, "d_ff": 64, "d_kv": 16, "num_heads": 2, "num_layers": 1,
+          "num_decoder_layers": 1, "vocab_size": 128, "decoder_start_token_id": 0}
+    untied = _config(tmp_path, "untied", {**t5, "tie_word_embeddings": False})
+    assert main(["plan", untied, "--policy", "module", "--batch", "2", "--seq", "16"]) == 0
+    assert "the config sets tie_word_embeddings false, and transformers" in capsys.readouterr().err
+    tied = _config(tmp_path, "tied", {**t5, "tie_word_embeddings": True})
+    assert main(["plan", tied, "--policy", "module", "--batch", "2", "--seq", "16"]) == 0
+    assert "tie_word_embeddings" not in capsys.readouterr().err
+
+
 def test_a_config_naming_its_own_code_is_planned_as_transformers_class_and_says_so(tmp_path, capsys):
     """A config with ``auto_map`` (a ``trust_remote_code`` model) was planned as plain Mistral without a word: its
     code is never run (a marker it would write stays absent), and a note names what was planned instead."""

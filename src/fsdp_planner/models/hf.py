@@ -220,6 +220,8 @@ def _config(data: dict[str, Any]) -> Any:
         first = " ".join(str(e).split())
         first = first if len(first) <= 300 else first[:300] + " ..."  # an unknown type lists every known one
         raise PlannerError(f"transformers cannot make a '{data['model_type']}' config: {first}") from None
+    if data.get("tie_word_embeddings") is False and getattr(config, "tie_word_embeddings", False):
+        config._fsdp_planner_untied = True  # (the config class forced the tie: ``tie_note`` says so)
     _check_heads(config)
     _check_pad_token(config)
     _check_activation(config)
@@ -383,6 +385,22 @@ def encoder_note(model: nn.Module) -> str | None:
     return (f"{config.model_type} is an encoder (a masked LM), planned as transformers builds it for causal LM "
             "(as a decoder: causal attention, a next-token loss): a masked-LM or classification step has the same "
             "blocks but attends both ways (about twice the causal attention's FLOPs) and another head")
+
+
+def tie_note(model: nn.Module) -> str | None:
+    """Said, not silent: a config asking for untied embeddings (``tie_word_embeddings: false``) whose model
+    transformers builds tied anyway (T5 in transformers 5 forces the tie: a T5 v1.1 config built one 32.9M-param
+    embedding fewer than its checkpoint, a trial)."""
+    config = getattr(model, "config", None)
+    untied = getattr(config, "_fsdp_planner_untied", None)
+    if not untied or not hasattr(model, "get_output_embeddings") or not hasattr(model, "get_input_embeddings"):
+        return None
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or inp is None or out.weight is not inp.weight:
+        return None
+    return (f"the config sets tie_word_embeddings false, and transformers {_transformers().__version__} builds "
+            f"{type(model).__name__} tied all the same: planned with one {inp.weight.numel():,}-param embedding fewer "
+            "than an untied checkpoint holds")
 
 
 # the heads of a causal LM's class names, which a config's ``architectures`` may name beside another task's

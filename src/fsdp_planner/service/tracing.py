@@ -92,7 +92,8 @@ def _traced_spec(spec: ModelSpec, precision: Precision, full: bool, note: Callab
                  recurrent_note(tr, lm.model),
                  routing_note(spec, routed[0]),
                  own_checkpointing_note(lm.own_checkpointing), positions, encoder,
-                 *((hf.mtp_note(lm.model), hf.dense_experts_note(lm.model)) if hf.is_hf(spec.name) else ()),
+                 *((hf.mtp_note(lm.model), hf.dense_experts_note(lm.model), hf.tie_note(lm.model))
+                   if hf.is_hf(spec.name) else ()),
                  *((hf.version_note(), hf.remote_code_note(spec.name.removeprefix(hf.PREFIX)))
                    if hf.is_hf(spec.name) else ())):
         if line:
