@@ -275,8 +275,9 @@ def _float8_notes(plan: Plan, precision: Precision) -> list[str]:
     if f8 is not None and f8.tp_float8_all_gather:
         out.append("the plan all-gathers TP's activations in float8 (torchao's float8 TP styles): parallelize() here "
                    "applies them, but fsdp_planner_job()'s torchtitan config cannot say it (torchtitan's TP has no "
-                   "float8 styles since April 2026: run as that job, TP gathers bf16; read back, give "
-                   "--float8-tp-all-gather for the plan's figures)")
+                   "float8 styles since April 2026: run with torchtitan's own parallelize, TP gathers bf16"
+                   + ("; --from-torchtitan reads the plan this file holds, float8 gathers included)"
+                      if plan.model in FLAVORS else ")"))
     if precision.autocast:
         out.append("the plan runs under autocast, which torchtitan's job has no key for: it runs FSDP2's mixed "
                    "precision (params cast to bf16 for compute)")
