@@ -159,6 +159,7 @@ def test_a_classic_policy_and_its_options():
     ({"shard_placement": "dim1"}, "shard_placement must be one of dim0, auto"),
     ({"attention": "paged"}, "attention must be one of"),
     ({"routing": 0.0}, "routing must be a capacity factor"),
+    ({"memory_budget": 10**30}, "^memory_budget 1,000,.* is too large: at most 1 EiB"),  # (as '1e30' was: a trial)
     ({"hf_config": ["n_layer=2"]}, "hf_config must be a dict of config fields"),
     ({"hf_config": {"n_layer": 2}}, "^hf_config sets fields .* applies to hf: models"),
     ({"micro_batches": "auto"}, "micro_batches='auto' lets policy='auto' split batch"),
@@ -514,3 +515,25 @@ def test_a_compiled_plan_on_an_eager_trace_warns_and_a_compiled_trace_gives_the_
         fp.trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=False, compile=True)
     with pytest.raises(PlannerError, match=r"^loss_chunks must be a whole number from 2 to "):  # (the API's name)
         fp.trace(lm.model, lm.example_inputs, lm.loss_fn, loss_chunks=1)
+
+
+def test_simulate_trace_and_policies_refuse_what_the_command_line_refuses():
+    """A trial of the API: an int reshard_after_forward FSDP2 refuses on the cluster's ranks (simulate and
+    plan_metrics gave figures where simulate --plan and check refuse it), a routing capacity of NaN (a ValueError
+    from inside the routing) and values past the command line's bounds were taken."""
+    from fsdp_planner.models import load_model
+
+    lm = load_model("toy-llama")
+    tr = fp.trace(lm.model, lm.example_inputs, lm.loss_fn)
+    three = fp.TorchtitanPolicy().plan(tr).with_every_group(reshard_after_forward=3)
+    with pytest.raises(PlannerError, match="reshard_after_forward=3, which FSDP2 needs to divide the world size of 8"):
+        fp.simulate(tr, three, "h100:8")
+    with pytest.raises(PlannerError, match="reshard_after_forward=3, which FSDP2 needs to divide the world size of 8"):
+        fp.plan_metrics(tr, three, world_size=8)
+    assert fp.simulate(tr, three.with_every_group(reshard_after_forward=2), "h100:8").step_time > 0
+    with pytest.raises(PlannerError, match=r"^trace's routing must be a capacity factor from 0\.1 to 64, got nan"):
+        fp.trace(lm.model, lm.example_inputs, lm.loss_fn, routing=float("nan"))
+    with pytest.raises(PlannerError, match=r"^the search effort is a number of plans: 0 to 1,000,000,000"):
+        fp.AutoPolicy("h100:8", search_effort=10**12)
+    with pytest.raises(PlannerError, match="at most 1 EiB"):
+        fp.AutoPolicy("h100:8", memory_budget=10**30)

@@ -28,9 +28,9 @@ from fsdp_planner.arguments import checked
 from fsdp_planner.attention import kernel
 from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PolicyName, Target, ZeroGrad
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import MAX_WORLD_SIZE, Cluster
-from fsdp_planner.models import LoadedModel, ModelSpec
+from fsdp_planner.models import MAX_ROUTING, MIN_ROUTING, LoadedModel, ModelSpec
 from fsdp_planner.patching import FAKE_TENSOR_LOGGER, quiet_loggers
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.service.job import DEFAULT_CLUSTER, PlanJob
@@ -171,6 +171,8 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | str | None = None, opt
     if named is None and context is None:
         raise PlannerError("simulate needs a cluster: a Cluster, a preset such as 'h100:8' or a cluster JSON path")
     checked_plan = _checked_plan(plan, trace)
+    world = context.world if context is not None else named.world_size
+    check_plan_world_size(checked_plan, world * (checked_plan.tp_degree if trace.tensor_parallel else 1))
     for line in traced_otherwise(checked_plan, trace):  # (eager figures of a compiled plan, without a word: a trial)
         warnings.warn(api_spelling(line).replace("this command traced", "the trace took") +
                       ("; compile, compile_loss and loss_chunks are keywords of trace()" if ": add " in line else ""),
@@ -192,6 +194,9 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     it (its blocks or loss compiled, its loss in chunks), as ``--compile``, ``--compile-loss`` and
     ``--loss-chunks`` do: ``simulate`` of such a plan on an eager trace gives eager figures, and warns."""
     routing = DEFAULT_CAPACITY if routing is None else routing  # (None: the default, as plan() takes it)
+    if isinstance(routing, bool) or not isinstance(routing, int | float) or not MIN_ROUTING <= routing <= MAX_ROUTING:
+        raise PlannerError(f"trace's routing must be a capacity factor from {MIN_ROUTING} to {MAX_ROUTING:g}, got "
+                           f"{routing!r}")  # (NaN included: no comparison holds)
     if compile or compile_loss or loss_chunks:
         if not reuse:
             raise PlannerError("compile, compile_loss and loss_chunks trace the step as plan() does, its repeated "
@@ -232,7 +237,10 @@ def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None,
         raise PlannerError(f"plan_metrics's world_size must be a number of ranks from 1 to {MAX_WORLD_SIZE:,}, not "
                            f"{world_size}")
     named = precision_named(precision) if isinstance(precision, str) else precision
-    return metrics_of(trace, _checked_plan(plan, trace), world_size, named)
+    checked_plan = _checked_plan(plan, trace)
+    if world_size is not None:  # (an int reshard_after_forward FSDP2 refuses on them: as simulate refuses it)
+        check_plan_world_size(checked_plan, world_size)
+    return metrics_of(trace, checked_plan, world_size, named)
 
 
 def _checked_plan(plan: Plan, trace: Trace) -> Plan:

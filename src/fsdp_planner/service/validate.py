@@ -25,7 +25,7 @@ from fsdp_planner.choices import (
     ZeroGrad,
 )
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import cut_short, parse_count, parse_size
+from fsdp_planner.fmt import MAX_BYTES, cut_short, parse_count, parse_size
 from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optimizer_rate
@@ -184,6 +184,8 @@ def _size(value: object, key: str, spell: Spelling) -> int:
         return parse_size(value, spell.name_of(key))
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(spell, key, "bytes (an int) or a size such as '60GiB'", value)
+    if value > MAX_BYTES:  # (as a size written out is bounded: parse_size)
+        raise PlannerError(f"{spell.name_of(key)} {value:,} is too large: at most 1 EiB (2^60 bytes)")
     return value
 
 

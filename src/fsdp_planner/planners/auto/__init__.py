@@ -36,13 +36,14 @@ from fsdp_planner.arguments import check_fields, checked
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.choices import DEFAULT_SAC_POLICY, ExpertPlacement, SacPolicy, ShardPlacement
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes, fmt_count, parse_size
+from fsdp_planner.fmt import MAX_BYTES, fmt_bytes, fmt_count, parse_size
 from fsdp_planner.fsdp2.checkpointing import ACMode, check_saved_topk, checkpointed_blocks, own_overlap
 from fsdp_planner.fsdp2.dtypes import several_kinds
 from fsdp_planner.fsdp2.plan import Mesh, Plan, RunOptions, divisors
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.limits import MAX_SEARCH_EFFORT
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
 from fsdp_planner.planners.auto.candidates import (
     ModuleTreeCuts,
@@ -232,10 +233,11 @@ class AutoPolicy:
             except ValueError:
                 raise PlannerError(f"unknown auto target '{self.target}': choose fsdp2 or fsdp1") from None
         check_fields(self)
-        if self.memory_budget is not None and self.memory_budget <= 0:
-            raise PlannerError("the memory budget must be positive")
-        if self.search_effort is not None and (isinstance(self.search_effort, bool) or self.search_effort < 0):
-            raise PlannerError("the search effort is a number of plans: 0 or more")
+        if self.memory_budget is not None and not 0 < self.memory_budget <= MAX_BYTES:
+            raise PlannerError("the memory budget must be positive, at most 1 EiB (2^60 bytes)")
+        if self.search_effort is not None and (isinstance(self.search_effort, bool)
+                                               or not 0 <= self.search_effort <= MAX_SEARCH_EFFORT):
+            raise PlannerError(f"the search effort is a number of plans: 0 to {MAX_SEARCH_EFFORT:,}")
         tp = self.tensor_parallel[0].tp.degree if len(self.tensor_parallel) == 1 else 1
         if self.mesh is not None and self.mesh.size * tp != self.cluster.world_size:
             with_tp = f" x TP {tp}" if tp > 1 else ""
