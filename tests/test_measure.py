@@ -40,3 +40,13 @@ def test_cli_measure(tmp_path):
 
     assert main(["simulate", "seed-net", "--policy", "order", "--cluster", "h100:8", "--measure", "--json"]) == 0
     assert main(["simulate", "llama3-405b", "--policy", "order", "--cluster", "h100:8", "--measure"]) == 2
+
+
+def test_measure_refuses_a_compiled_or_chunked_step(capsys):
+    """--measure times the ops of the model run eager, its loss whole: a compiled plan's step was predicted from
+    that eager trace, and said to be traced eager though --compile was given (a trial); refused before any work."""
+    from fsdp_planner.cli import main
+
+    for flags in (["--compile"], ["--loss-chunks", "2"]):
+        assert main(["simulate", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--measure", *flags]) == 2
+        assert "--measure times the model's ops as they run eager" in capsys.readouterr().err

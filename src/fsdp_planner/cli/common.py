@@ -30,6 +30,13 @@ def load_trace(spec: ModelSpec | str, measure: bool = False, full: bool = False,
     with ``measure``, then timed for real on the local device (median of ``repeats`` steps, with ``threads`` CPU
     threads when given).
     ``full``: every module call traced (no replay of repeated blocks)."""
+    named = as_spec(spec)
+    if measure and (named.compile or named.compile_loss or named.loss_chunks):
+        # (the ops are timed on the model run eager, whole: a compiled plan's step was predicted from that eager
+        # trace, and said to be traced eager though --compile was given: a trial)
+        raise PlannerError("--measure times the model's ops as they run eager, its loss whole, and this step compiles "
+                           "its blocks or loss or runs its loss in chunks: drop --measure (the step time then comes "
+                           "from the cluster's compute model), or measure the step as it runs eager")
     with render.progress(f"tracing {spec}"):
         tr = trace_spec(spec, precision, full, render.trace_note)
         return _measured(as_spec(spec), tr, threads, repeats) if measure else tr
