@@ -307,9 +307,9 @@ def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel
 
     if tp_mesh.size() != tp.degree:
         raise PlannerError(f"the plan's TP degree is {tp.degree} but the mesh's 'tp' dim has {tp_mesh.size()} ranks")
-    check_moe_styles(tp, dict(model.named_modules()), expert_parallel)
-    _check_rope_keys(model, tp)
     modules = dict(model.named_modules())
+    check_moe_styles(tp, modules, expert_parallel)
+    _check_rope_keys(model, tp)
     for name, style in tp.styles(modules).items():  # (before the styles' own hooks, which read positional inputs)
         if style in (TPStyle.GATHER_INPUT, TPStyle.MOE_SEQUENCE):
             modules[name].register_forward_pre_hook(required_inputs_positional, with_kwargs=True)

@@ -489,10 +489,9 @@ WORTH_CHECKPOINTING = 0.01  # an EP option over the budget this much faster than
 def _faster_over_budget(found: list[EPOption], result: AutoResult) -> bool:
     """Whether an EP option of ``found`` is over the budget and faster than ``result``'s plan by more than
     ``WORTH_CHECKPOINTING``, none fitting: more checkpointing may bring it within."""
-    fits = result.memory.fits
-    over = [o for o in found if o.degree > 1 and not fits(o.step.reserved_memory)]
-    return not any(o.degree > 1 and fits(o.step.reserved_memory) for o in found) and \
-        any(o.step.step_time < result.report.step_time * (1 - WORTH_CHECKPOINTING) for o in over)
+    ep = [o for o in found if o.degree > 1]
+    return not any(result.memory.fits(o.step.reserved_memory) for o in ep) and \
+        any(o.step.step_time < result.report.step_time * (1 - WORTH_CHECKPOINTING) for o in ep)
 
 
 def _over_op_level(found: list[EPOption], fits: Callable[[float], bool]) -> list[EPOption]:
